@@ -1,0 +1,16 @@
+"""Proposers: cheap guesses of the next tokens, behind one interface."""
+
+from .base import Draft, ProposeContext, Proposer, SamplingParams, TargetFeatures, VerifyResult, logits_to_probs
+from .config import REGISTRY, load_proposer
+
+__all__ = [
+    "Draft",
+    "ProposeContext",
+    "Proposer",
+    "REGISTRY",
+    "SamplingParams",
+    "TargetFeatures",
+    "VerifyResult",
+    "load_proposer",
+    "logits_to_probs",
+]

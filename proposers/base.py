@@ -1,0 +1,193 @@
+"""What crosses the proposer/verifier boundary: drafts, sampling settings, step results.
+
+Everything here is a frozen dataclass or a Protocol; proposers import only this module
+(plus torch / transformers), and ``verify`` builds on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How next-token distributions are processed, identically for target and draft.
+
+    Args:
+        temperature: 0 selects greedy decoding (its own branch); > 0 divides the logits.
+        top_k: keep the k most likely tokens; 0 keeps all.
+        top_p: keep the smallest set of tokens whose mass reaches top_p; 1.0 keeps all.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = no top-k), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def logits_to_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """Turn logits into the processed sampling distribution (temperature, top-k, top-p).
+
+    The same function serves the target and every proposer, so draft and target
+    distributions are processed exactly alike. At temperature 0 the result is the
+    point mass on the argmax.
+
+    Args:
+        logits: ``[..., vocab]`` raw logits; ``-inf`` marks forbidden tokens.
+        sampling: the processing to apply.
+    Returns:
+        ``[..., vocab]`` float32 probabilities, each row summing to 1.
+    """
+    logits = logits.float()
+    if not torch.isfinite(logits.amax(dim=-1)).all():
+        raise ValueError("every token is masked (-inf/NaN logits): there is no distribution to sample from")
+    if sampling.greedy:
+        probs = torch.zeros_like(logits)
+        return probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    logits = logits / sampling.temperature
+    if 0 < sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # Drop a token when the mass strictly before it already reaches top_p; the top
+        # token always survives, so the kept set is never empty.
+        drop_sorted = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A proposed token tree for one request; a chain is a tree with ``parents[i] = i - 1``.
+
+    Args:
+        token_ids: ``[n]`` long, proposed tokens, parents before children.
+        parents: ``[n]`` long, index of each node's parent; -1 is the last committed token.
+        draft_probs: ``[n, vocab]`` or None. Row i is the distribution token i was drawn
+            from, processed like the target's (``logits_to_probs``), and conditioned on
+            the siblings drawn before it: a proposer that samples siblings without
+            replacement stores the renormalised remainder. None means a deterministic
+            proposal (lookup, top-k children): the verifier treats each node as a point mass.
+    """
+
+    token_ids: torch.Tensor
+    parents: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @staticmethod
+    def empty() -> Draft:
+        return _EMPTY_DRAFT
+
+    @staticmethod
+    def chain(token_ids: list[int] | torch.Tensor, draft_probs: torch.Tensor | None = None) -> Draft:
+        """A linear draft: node i's parent is node i - 1."""
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        return Draft(token_ids, torch.arange(-1, token_ids.shape[0] - 1), draft_probs)
+
+    def is_chain(self) -> bool:
+        n = self.num_nodes
+        return bool(torch.equal(self.parents, torch.arange(-1, n - 1))) if n else True
+
+
+_EMPTY_DRAFT = Draft(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+
+
+@dataclass(frozen=True)
+class ProposeContext:
+    """What a proposer sees when asked for a draft.
+
+    Args:
+        tokens: every committed token so far (prompt + generated), the last one not yet
+            scored by the target.
+        max_depth: the deepest node the verifier will keep (room left in the output
+            and in the model's positions); deeper nodes are pruned.
+        sampling: the processing to apply to draft distributions.
+        generator: the request's seeded generator, for proposers that sample.
+    """
+
+    tokens: list[int]
+    max_depth: int
+    sampling: SamplingParams
+    generator: torch.Generator | None = None
+
+
+@dataclass(frozen=True)
+class TargetFeatures:
+    """Hidden states the target computed for some positions.
+
+    Args:
+        hidden_states: layer index -> ``[num_positions, hidden]``; the layers a proposer
+            asked for through ``Proposer.hidden_layers`` (``-1`` is the final normed state
+            that feeds the LM head).
+    """
+
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """The outcome of verifying one draft.
+
+    Args:
+        accepted_nodes: indices of the accepted draft nodes, root to leaf.
+        accepted_tokens: their token ids.
+        next_token: the recovered token (sampled after a rejection) or the bonus token
+            (when the accepted path ends where the draft had no further child).
+        recovered: True when ``next_token`` replaced a rejected draft token.
+    """
+
+    accepted_nodes: list[int]
+    accepted_tokens: list[int]
+    next_token: int
+    recovered: bool
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted_nodes)
+
+    @property
+    def committed(self) -> list[int]:
+        return self.accepted_tokens + [self.next_token]
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """Guesses the next tokens cheaply; the verifier keeps what the target agrees with.
+
+    A decode calls ``begin`` once per request, then alternates ``propose`` and
+    ``observe``. Proposers keep their own per-request state.
+    """
+
+    #: Target hidden layers the proposer needs (empty for lookup proposers).
+    hidden_layers: tuple[int, ...]
+
+    def begin(self, prompt: list[int], features: TargetFeatures | None) -> None:
+        """Start a request; ``features`` covers every prompt position."""
+
+    def propose(self, context: ProposeContext) -> Draft:
+        """Return a draft tree that continues ``context.tokens``."""
+
+    def observe(self, result: VerifyResult, features: TargetFeatures | None) -> None:
+        """Learn what was committed; ``features`` covers the scored root + accepted nodes."""

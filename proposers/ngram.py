@@ -1,0 +1,98 @@
+"""Prompt lookup: draft what followed earlier occurrences of the context's last n tokens.
+
+As in prompt-lookup decoding (Saxena 2023) and vLLM's n-gram proposer, with an n-gram
+index kept incrementally per request, so a lookup is a dict probe rather than a scan.
+With ``branches > 1`` the continuations of several earlier matches are merged into a
+tree that the verifier scores in one forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Draft, ProposeContext, TargetFeatures, VerifyResult
+
+
+class NgramProposer:
+    """Propose the continuation of the most recent earlier match of the context's suffix.
+
+    Args:
+        min_n: shortest suffix length to match.
+        max_n: longest suffix length to match; longer matches are tried first.
+        k: tokens proposed per branch (draft depth).
+        branches: distinct earlier matches to draft from; 1 gives a chain, more a tree.
+        max_nodes: node budget of a tree (default ``k * branches``).
+    """
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, min_n: int = 2, max_n: int = 4, k: int = 5, branches: int = 1, max_nodes: int | None = None):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        if k < 1 or branches < 1:
+            raise ValueError(f"k and branches must be >= 1, got k={k}, branches={branches}")
+        self.min_n, self.max_n, self.k, self.branches = min_n, max_n, k, branches
+        self.max_nodes = max_nodes if max_nodes is not None else k * branches
+        if self.max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+        self._index: dict[tuple[int, ...], list[int]] = {}
+        self._indexed = 0
+
+    def begin(self, prompt: list[int], features: TargetFeatures | None) -> None:
+        self._index = {}
+        self._indexed = 0
+
+    def observe(self, result: VerifyResult, features: TargetFeatures | None) -> None:
+        pass  # the index catches up from context.tokens in propose()
+
+    def propose(self, context: ProposeContext) -> Draft:
+        tokens = context.tokens
+        self._update_index(tokens)
+        depth = min(self.k, context.max_depth)
+        continuations = self._continuations(tokens, depth)
+        if not continuations:
+            return Draft.empty()
+        if self.branches == 1:
+            return Draft.chain(continuations[0])
+        return _merge_into_tree(continuations, self.max_nodes)
+
+    def _update_index(self, tokens: list[int]) -> None:
+        """Index every n-gram that has at least one token after it (so not the current suffix)."""
+        if self._indexed > len(tokens):  # a new request without begin(): start over
+            self._index, self._indexed = {}, 0
+        for end in range(max(self._indexed, 1), len(tokens)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self._index.setdefault(tuple(tokens[end - n : end]), []).append(end)
+        self._indexed = max(self._indexed, len(tokens))
+
+    def _continuations(self, tokens: list[int], depth: int) -> list[list[int]]:
+        """Up to ``branches`` distinct continuations, longest suffix match first, most recent first."""
+        found: list[list[int]] = []
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            for start in reversed(self._index.get(tuple(tokens[-n:]), ())):
+                continuation = tokens[start : start + depth]
+                if continuation not in found:
+                    found.append(continuation)
+                    if len(found) == self.branches:
+                        return found
+        return found
+
+
+def _merge_into_tree(continuations: list[list[int]], max_nodes: int) -> Draft:
+    """A trie of the continuations (shared prefixes merged), parents before children."""
+    token_ids: list[int] = []
+    parents: list[int] = []
+    child_of: dict[tuple[int, int], int] = {}
+    for continuation in continuations:
+        node = -1
+        for token in continuation:
+            nxt = child_of.get((node, token))
+            if nxt is None:
+                if len(token_ids) == max_nodes:
+                    break
+                nxt = len(token_ids)
+                child_of[(node, token)] = nxt
+                token_ids.append(token)
+                parents.append(node)
+            node = nxt
+    return Draft(torch.tensor(token_ids, dtype=torch.long), torch.tensor(parents, dtype=torch.long))

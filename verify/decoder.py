@@ -1,0 +1,167 @@
+"""The decode loop: propose, score, accept, commit.
+
+Plain decoding is the same loop with an empty draft, so every speedup is measured on
+one harness.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from proposers.base import Draft, ProposeContext, Proposer, SamplingParams, TargetFeatures, VerifyResult
+
+from .rejection import rejection_sample
+from .stats import DecodeStats
+from .target import Target, TargetOutput, target_vocab_size
+from .tree import node_depths, prune_depth, validate_draft
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    """What generate() returns.
+
+    Args:
+        new_tokens: the generated token ids (prompt excluded), EOS included if hit.
+        stats: counters and timings.
+    """
+
+    new_tokens: list[int]
+    stats: DecodeStats
+
+
+class SpeculativeDecoder:
+    """Generate with a target model, drafting with ``proposer`` (None = plain decoding).
+
+    Args:
+        model: a Hugging Face causal LM; it is put in eval mode and never modified.
+        proposer: any ``Proposer``; None decodes one token per target forward.
+    """
+
+    def __init__(self, model: PreTrainedModel, proposer: Proposer | None = None):
+        self.model = model.eval()
+        self.proposer = proposer
+        self.vocab_size = target_vocab_size(model)
+        proposer_vocab = getattr(proposer, "vocab_size", None)
+        if proposer_vocab is not None and proposer_vocab != self.vocab_size:
+            raise ValueError(f"proposer vocabulary size {proposer_vocab} differs from the target's {self.vocab_size}")
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+    ) -> DecodeResult:
+        """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (``[1, T]`` long).
+
+        At temperature 0 the output is token-identical to plain greedy decoding; at
+        temperature > 0 it follows the target's processed distribution exactly.
+        """
+        prompt = self._check_prompt(input_ids, max_new_tokens)
+        sampling = SamplingParams(temperature, top_k, top_p)
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        eos = _eos_set(eos_token_id)
+        proposer = self.proposer
+        target = Target(self.model, proposer.hidden_layers if proposer is not None else ())
+        stats = DecodeStats()
+        start = time.perf_counter()
+
+        out = target.prefill(input_ids)
+        first = rejection_sample(Draft.empty(), out.logits[-1:], sampling, generator).next_token
+        stats.target_forwards = 1
+        stats.ttft = time.perf_counter() - start
+        last = first
+        tokens = prompt + [first]
+        new_tokens = [first]
+        if proposer is not None:
+            proposer.begin(prompt, out.features)
+
+        while len(new_tokens) < max_new_tokens and last not in eos:
+            tick = time.perf_counter()
+            # 1. propose
+            draft = self._propose(tokens, max_new_tokens - len(new_tokens), sampling, generator, target)
+            tock = time.perf_counter()
+            # 2. score: root + every draft node in one target forward
+            out = target.score(tokens[-1], draft)
+            # 3. accept
+            result = rejection_sample(draft, out.logits, sampling, generator)
+            # 4. commit
+            target.commit(result.accepted_nodes)
+            if proposer is not None:
+                proposer.observe(result, _path_features(out, result))
+            stats.target_forwards += 1
+            stats.record_step(_depth(draft), draft.num_nodes, result.num_accepted, result.recovered)
+            last = _extend(tokens, new_tokens, result.committed, max_new_tokens, eos)
+            stats.draft_time += tock - tick
+            stats.verify_time += time.perf_counter() - tock
+
+        stats.new_tokens = len(new_tokens)
+        stats.total_time = time.perf_counter() - start
+        return DecodeResult(new_tokens, stats)
+
+    def _propose(self, tokens, remaining, sampling, generator, target) -> Draft:
+        """Ask the proposer for a draft no deeper than the output and the positions allow."""
+        max_depth = remaining - 1
+        if target.max_positions is not None:
+            max_depth = min(max_depth, target.max_positions - len(tokens))
+        if self.proposer is None or max_depth < 1:
+            return Draft.empty()
+        draft = self.proposer.propose(ProposeContext(tokens, max_depth, sampling, generator))
+        validate_draft(draft, self.vocab_size)
+        return prune_depth(draft, max_depth)
+
+    def _check_prompt(self, input_ids: torch.Tensor, max_new_tokens: int) -> list[int]:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be a LongTensor of shape [1, T] (batch of one request), got {shape}")
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids is empty: the prompt needs at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        if max_positions is not None and input_ids.shape[1] > max_positions:
+            raise ValueError(f"prompt of {input_ids.shape[1]} tokens is longer than the model's max_position_embeddings={max_positions}")
+        prompt = input_ids[0].tolist()
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError(f"input_ids hold token ids outside the vocabulary [0, {self.vocab_size})")
+        return prompt
+
+
+def _eos_set(eos_token_id: int | list[int] | None) -> frozenset[int]:
+    if eos_token_id is None:
+        return frozenset()
+    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+
+
+def _depth(draft: Draft) -> int:
+    if draft.num_nodes == 0:
+        return 0
+    if draft.is_chain():
+        return draft.num_nodes
+    return max(node_depths(draft.parents.tolist()))
+
+
+def _extend(tokens: list[int], new_tokens: list[int], committed: list[int], max_new_tokens: int, eos: frozenset[int]) -> int:
+    """Append committed tokens, stopping at EOS or the output limit; return the last one appended."""
+    for token in committed[: max_new_tokens - len(new_tokens)]:
+        tokens.append(token)
+        new_tokens.append(token)
+        if token in eos:
+            break
+    return new_tokens[-1]
+
+
+def _path_features(out: TargetOutput, result: VerifyResult) -> TargetFeatures | None:
+    """Hidden states of the root and the accepted nodes, in path order."""
+    if out.features is None:
+        return None
+    rows = torch.tensor([0] + [i + 1 for i in result.accepted_nodes])
+    return TargetFeatures({layer: h.index_select(0, rows) for layer, h in out.features.hidden_states.items()})

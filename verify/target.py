@@ -1,0 +1,109 @@
+"""The target model: prefill, score a draft tree in one forward, commit the accepted path.
+
+Wraps a stock ``AutoModelForCausalLM``; the tree goes in as a 4D additive attention mask
+with depth-based position ids, never through a patched modeling file. The cache always
+holds every committed token but the last: that one (the *root*) is fed with the draft,
+so the root's logits, which verify the draft's first level, come from the same forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from proposers.base import Draft, TargetFeatures
+
+from .tree import tree_attention_mask, tree_position_ids
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    """Logits (and optional hidden states) for the positions a forward scored.
+
+    Args:
+        logits: ``[num_positions, vocab]``.
+        features: the requested hidden states, or None when no layer was requested.
+    """
+
+    logits: torch.Tensor
+    features: TargetFeatures | None
+
+
+def target_vocab_size(model: PreTrainedModel) -> int:
+    """Rows of the model's output embedding (what its logits range over)."""
+    head = model.get_output_embeddings()
+    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
+
+
+class Target:
+    """One request's view of the target model and its KV cache.
+
+    Args:
+        model: a causal LM in eval mode.
+        hidden_layers: indices into the model's ``output_hidden_states`` tuple to return
+            (0 = embeddings, i = output of layer i, -1 = the final normed state).
+    """
+
+    def __init__(self, model: PreTrainedModel, hidden_layers: tuple[int, ...] = ()):
+        self.model = model
+        self.hidden_layers = tuple(hidden_layers)
+        self.vocab_size = target_vocab_size(model)
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.cache: DynamicCache | None = None
+        self._scored_past = 0  # cache length before the last score()
+        self._scored_chain = True
+
+    @property
+    def cache_len(self) -> int:
+        return self.cache.get_seq_length() if self.cache is not None else 0
+
+    def prefill(self, input_ids: torch.Tensor) -> TargetOutput:
+        """Run the prompt ``[1, T]``; return the last position's logits ``[1, vocab]``."""
+        self.cache = DynamicCache(config=self.model.config)
+        out = self._forward(input_ids, logits_to_keep=1)
+        return out
+
+    def score(self, root_token: int, draft: Draft) -> TargetOutput:
+        """Score root + draft in one forward; return logits ``[n + 1, vocab]``.
+
+        Row 0 is the distribution after the root (the last committed token), row i + 1
+        the distribution after draft node i.
+        """
+        past = self.cache_len
+        device = self.model.device
+        input_ids = torch.cat([torch.tensor([root_token]), draft.token_ids]).to(device)[None]
+        self._scored_past = past
+        self._scored_chain = draft.is_chain()
+        if self._scored_chain:
+            # A chain is plain causal attention: the model builds its own mask.
+            return self._forward(input_ids)
+        parents = draft.parents.tolist()
+        mask = tree_attention_mask(parents, past, dtype=self.model.dtype).to(device)
+        return self._forward(input_ids, attention_mask=mask, position_ids=tree_position_ids(parents, past).to(device))
+
+    def commit(self, accepted_nodes: list[int]) -> None:
+        """Keep the root and the accepted nodes in the cache; drop every other scored entry."""
+        past = self._scored_past
+        if self._scored_chain or accepted_nodes == list(range(len(accepted_nodes))):
+            self._crop(past + 1 + len(accepted_nodes))
+            return
+        keep = torch.tensor(list(range(past + 1)) + [past + 1 + i for i in accepted_nodes], device=self.model.device)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(-2, keep)
+            layer.values = layer.values.index_select(-2, keep)
+
+    def _crop(self, length: int) -> None:
+        for layer in self.cache.layers:
+            if layer.keys.shape[-2] > length:
+                layer.keys = layer.keys[..., :length, :]
+                layer.values = layer.values[..., :length, :]
+
+    def _forward(self, input_ids: torch.Tensor, **kwargs) -> TargetOutput:
+        want_hidden = bool(self.hidden_layers)
+        out = self.model(input_ids, cache=self.cache, use_cache=True, output_hidden_states=want_hidden, **kwargs)
+        features = None
+        if want_hidden:
+            features = TargetFeatures({i: out.hidden_states[i][0] for i in self.hidden_layers})
+        return TargetOutput(out.logits[0], features)
