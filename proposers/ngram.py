@@ -70,12 +70,23 @@ class NgramProposer:
         found: list[list[int]] = []
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
             for start in reversed(self._index.get(tuple(tokens[-n:]), ())):
-                continuation = tokens[start : start + depth]
+                continuation = _copy(tokens, start, depth)
                 if continuation not in found:
                     found.append(continuation)
                     if len(found) == self.branches:
                         return found
         return found
+
+
+def _copy(tokens: list[int], start: int, depth: int) -> list[int]:
+    """``depth`` tokens from ``start`` on, LZ77-style: a copy that runs past the end continues
+    with its own output, so a match just before the end (a repeating pattern) still
+    yields a full-length draft."""
+    out = tokens[start : start + depth]
+    period = len(tokens) - start
+    while len(out) < depth:
+        out.append(out[len(out) - period])
+    return out
 
 
 def _merge_into_tree(continuations: list[list[int]], max_nodes: int) -> Draft:

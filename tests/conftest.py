@@ -6,6 +6,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+# Tiny models are fastest on one thread, and intra-op threads thrash when the two cores
+# are shared with other work (measured: 13x slower per forward under load).
+torch.set_num_threads(1)
+
 
 def tiny_llama(vocab_size: int = 128, hidden_size: int = 32, layers: int = 2, seed: int = 0, max_positions: int = 512) -> LlamaForCausalLM:
     """A fixed-seed random Llama (fp32, eval mode)."""
@@ -78,3 +82,25 @@ def law_check():
 @pytest.fixture(scope="session")
 def make_llama():
     return tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory):
+    """A saved tiny Llama + byte-level BPE tokenizer directory, loadable with the Auto classes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = ["the quick brown fox jumps over the lazy dog. " * 4, "def add(a, b):\n    return a + b\n" * 4]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>", "<bos>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(text, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    model = tiny_llama(vocab_size=300)
+    path = tmp_path_factory.mktemp("tiny_target")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

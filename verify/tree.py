@@ -25,7 +25,9 @@ def validate_draft(draft: Draft, vocab_size: int) -> None:
     bad = ((parents < -1) | (parents >= torch.arange(n))).nonzero()
     if len(bad):
         i = int(bad[0])
-        raise ValueError(f"draft node {i} has parent {int(parents[i])}: a parent must be -1 (the last committed token) or an earlier node in 0..{i - 1}")
+        raise ValueError(
+            f"draft node {i} has parent {int(parents[i])}: a parent must be -1 (the last committed token) or an earlier node in 0..{i - 1}"
+        )
     bad = ((tokens < 0) | (tokens >= vocab_size)).nonzero()
     if len(bad):
         i = int(bad[0])
@@ -50,7 +52,9 @@ def _validate_probs(draft_probs: torch.Tensor, tokens: torch.Tensor, vocab_size:
     zero = (chosen <= 0).nonzero()
     if len(zero):
         i = int(zero[0])
-        raise ValueError(f"draft node {i} proposes token {int(tokens[i])} whose draft probability is 0: it cannot have been sampled from draft_probs[{i}]")
+        raise ValueError(
+            f"draft node {i} proposes token {int(tokens[i])} whose draft probability is 0: it cannot have been drawn from draft_probs[{i}]"
+        )
 
 
 def node_depths(parents: list[int]) -> list[int]:
