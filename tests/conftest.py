@@ -99,6 +99,9 @@ def tiny_target_dir(tmp_path_factory):
     )
     tok.train_from_iterator(text, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+    )
     model = tiny_llama(vocab_size=300)
     path = tmp_path_factory.mktemp("tiny_target")
     model.save_pretrained(path)

@@ -26,6 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.set_defaults(run=run_generate)
 
+    ev = commands.add_parser("eval", help="per-domain tau / speedup of proposers vs plain decoding (JSON, table, plots)")
+    ev.add_argument("--config", required=True, help="eval config YAML (see recipes/eval_*.yaml)")
+    ev.add_argument("overrides", nargs="*", help="key=value overrides of the config")
+    ev.add_argument("--no-progress", action="store_true")
+    ev.set_defaults(run=run_eval)
+
     args = parser.parse_args(argv)
     try:
         return args.run(args)
@@ -75,6 +81,23 @@ def run_generate(args) -> int:
         f"{stats.tokens_per_second:.1f} tok/s, ttft {stats.ttft * 1000:.1f} ms, tpot {stats.tpot * 1000:.1f} ms]"
     )
     return 0
+
+
+def run_eval(args) -> int:
+    from verify.evaluate import EvalConfig, evaluate
+
+    summary = evaluate(EvalConfig.from_yaml(args.config, args.overrides), progress=not args.no_progress)
+    print_summary(summary)
+    return 0
+
+
+def print_summary(summary: dict) -> None:
+    """Print the Markdown table and where the files went."""
+    from verify.report import markdown_table
+
+    print(markdown_table(summary["rows"]))
+    for name, path in summary["paths"].items():
+        print(f"{name}: {path}")
 
 
 if __name__ == "__main__":

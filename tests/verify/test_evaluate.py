@@ -1,0 +1,104 @@
+"""Per-domain evaluation on a tiny model: outputs, fields, greedy identity, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from verify.cli import main
+from verify.domains import load_domain
+from verify.evaluate import EvalConfig, evaluate
+
+
+@pytest.fixture()
+def domain_files(tmp_path):
+    code = tmp_path / "code.jsonl"
+    code.write_text(
+        "\n".join(json.dumps({"prompt": f"def add(a, b):\n    return a + b\n# {i}\ndef add(", "domain": "code"}) for i in range(3)) + "\n"
+    )
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "the quick brown fox"}], "domain": "chat"}) + "\n")
+    prose = tmp_path / "prose"
+    prose.mkdir()
+    (prose / "a.txt").write_text("the quick brown fox jumps over the lazy dog. the quick brown")
+    return {"code": str(code), "chat": str(chat), "prose": str(prose)}
+
+
+def test_eval_writes_every_output_with_the_right_fields(tiny_target_dir, domain_files, tmp_path):
+    config = EvalConfig(
+        target=str(tiny_target_dir),
+        domains=domain_files,
+        proposers={"ngram": {"type": "ngram", "min_n": 1}, "ngram_tree": {"type": "ngram", "min_n": 1, "branches": 3}},
+        num_prompts=2,
+        prompt_tokens=24,
+        max_new_tokens=12,
+        output_dir=str(tmp_path / "out"),
+    )
+    summary = evaluate(config, progress=False)
+    out = tmp_path / "out"
+    for name in ("records.jsonl", "summary.json", "table.md", "tau_speedup.png", "acceptance_by_depth.png"):
+        assert (out / name).stat().st_size > 0, name
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    methods = {"plain", "ngram", "ngram_tree", "hf_prompt_lookup"}
+    assert {r["method"] for r in records} == methods
+    assert len(records) == len(methods) * (2 + 1 + 1)  # code: 2 prompts, chat: 1, prose: 1
+    for r in records:
+        assert {"domain", "new_tokens", "target_forwards", "accept_lengths", "wall_time", "tau", "speedup"} <= set(r)
+        assert r["identical_to_plain"] is True  # greedy: every method's output equals plain decoding
+        assert r["target_forwards"] >= 1 and r["new_tokens"] >= 1
+    rows = {(r["domain"], r["method"]): r for r in summary["rows"]}
+    assert rows[("code", "plain")]["tau"] == 1.0 and rows[("code", "plain")]["speedup"] == 1.0
+    assert rows[("code", "ngram")]["identical"] == "2/2"
+    assert rows[("code", "ngram")]["acceptance_by_depth"]  # the copy prompt gets drafts
+    assert "| code | ngram |" in (out / "table.md").read_text()
+
+
+def test_cli_eval_with_overrides(tiny_target_dir, domain_files, tmp_path, capsys):
+    config = tmp_path / "eval.yaml"
+    config.write_text(yaml.safe_dump({"target": str(tiny_target_dir), "domains": {"code": domain_files["code"]}, "proposers": {}}))
+    out = tmp_path / "cli_out"
+    argv = [
+        "eval",
+        "--config",
+        str(config),
+        f"output_dir={out}",
+        "num_prompts=1",
+        "max_new_tokens=4",
+        "hf_prompt_lookup=null",
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| code | plain |" in printed and str(out / "table.md") in printed
+
+
+def test_bad_configs_and_domain_files(tiny_target_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['prompts'\]; valid keys"):
+        EvalConfig.from_dict({"target": "x", "domains": {"a": "b"}, "prompts": 3})
+    with pytest.raises(ValueError, match="'domains' is empty"):
+        EvalConfig.from_dict({"target": "x", "domains": {}})
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    with pytest.raises(FileNotFoundError, match="domain 'code': file .* does not exist"):
+        load_domain("code", tmp_path / "nope.jsonl", tok, 4, 16)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{not json\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2 is not valid JSON"):
+        load_domain("code", bad, tok, 4, 16)
+    bad.write_text('{"text": "no prompt key"}\n')
+    with pytest.raises(ValueError, match="exactly one of 'prompt' or 'messages'"):
+        load_domain("code", bad, tok, 4, 16)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="holds no usable prompt"):
+        load_domain("code", empty, tok, 4, 16)
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "hello"}\n')
+    with pytest.raises(ValueError, match="leaves no room in the model's context"):
+        load_domain("code", good, tok, 4, 600, max_positions=512)
+    config = EvalConfig(target=str(tmp_path), domains={"code": str(good)}, output_dir=str(tmp_path / "o"))
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        evaluate(config, progress=False)

@@ -1,0 +1,320 @@
+"""Per-domain evaluation: tau, acceptance by depth, speedup over plain decoding, as files.
+
+``draftsmith eval --config recipes/eval_*.yaml`` runs every configured proposer, plain
+decoding and transformers' own assisted generation / prompt lookup (as peers) on the
+same prompts, interleaved prompt by prompt so machine-load drift hits all alike, and
+writes per-prompt JSONL, a summary JSON, a Markdown table and PNG plots.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from proposers import load_proposer
+
+from .decoder import SpeculativeDecoder
+from .domains import Prompt, load_domain
+from .stats import DecodeStats
+
+PLAIN = "plain"
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What to evaluate; every key of the YAML file maps to one field (unknown keys fail).
+
+    Args:
+        target: directory of the target model and tokenizer (``save_pretrained``).
+        domains: domain name -> JSONL / text file or directory of prompts.
+        proposers: row name -> proposer config (``{"type": ..., ...}``).
+        hf_prompt_lookup: transformers' prompt lookup as a peer: ``{"num_tokens": k,
+            "max_ngram": n}``, or None to leave it out.
+        hf_assisted: also run transformers' ``assistant_model=`` with the model of every
+            ``draft_model`` proposer.
+        num_prompts, prompt_tokens, max_new_tokens: per domain.
+        temperature, top_k, top_p, seed: sampling (temperature 0 = greedy).
+        output_dir: where the results go.
+        threads: torch intra-op threads (None keeps torch's default).
+    """
+
+    target: str
+    domains: dict[str, str]
+    proposers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    hf_prompt_lookup: dict[str, int] | None = field(default_factory=lambda: {"num_tokens": 5, "max_ngram": 3})
+    hf_assisted: bool = True
+    num_prompts: int = 8
+    prompt_tokens: int = 128
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    output_dir: str = "outputs/eval"
+    threads: int | None = None
+
+    @staticmethod
+    def from_yaml(path: str | Path, overrides: list[str] = ()) -> EvalConfig:
+        """Read a config file; ``overrides`` are ``key=value`` strings (values parsed as YAML)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"eval config {path} does not exist")
+        raw = yaml.safe_load(path.read_text()) or {}
+        for item in overrides:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"override {item!r} is not key=value")
+            raw[key] = yaml.safe_load(value)
+        return EvalConfig.from_dict(raw, where=str(path))
+
+    @staticmethod
+    def from_dict(raw: dict[str, Any], where: str = "eval config") -> EvalConfig:
+        valid = [f.name for f in fields(EvalConfig)]
+        unknown = sorted(set(raw) - set(valid))
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys: {valid}")
+        missing = [k for k in ("target", "domains") if k not in raw]
+        if missing:
+            raise ValueError(f"{where}: missing required key(s) {missing}")
+        if not raw["domains"]:
+            raise ValueError(f"{where}: 'domains' is empty; give at least one name: file")
+        config = EvalConfig(**raw)
+        if PLAIN in config.proposers:
+            raise ValueError(f"{where}: the row name {PLAIN!r} is reserved for plain decoding")
+        return config
+
+
+@dataclass
+class Record:
+    """One prompt decoded by one method (Spec-Bench-like fields)."""
+
+    domain: str
+    method: str
+    prompt_index: int
+    source: str
+    prompt_tokens: int
+    new_tokens: int
+    target_forwards: int
+    accept_lengths: list[int]
+    wall_time: float
+    ttft: float | None
+    tokens_per_s: float
+    tau: float
+    identical_to_plain: bool | None
+    speedup: float | None = None
+
+
+def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
+    """Run the evaluation and write its files; return the summary."""
+    from .cli import load_target
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    model, tokenizer = load_target(config.target)
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+    prompts = [
+        p
+        for name, path in config.domains.items()
+        for p in load_domain(name, path, tokenizer, config.num_prompts, config.prompt_tokens, max_positions)
+    ]
+    methods = build_methods(config, model, tokenizer)
+    records, stats = [], {}
+    bar = tqdm(total=len(prompts) * len(methods), desc="eval", disable=not progress)
+    for index, prompt in enumerate(prompts):
+        plain_tokens = None
+        for name, run in methods.items():
+            tokens, record, decode_stats = run(prompt, index)
+            if name == PLAIN:
+                plain_tokens, plain_speed = tokens, record.tokens_per_s
+            record.identical_to_plain = tokens == plain_tokens if config.temperature == 0 else None
+            record.speedup = record.tokens_per_s / plain_speed
+            records.append(record)
+            if decode_stats is not None:
+                stats.setdefault((prompt.domain, name), []).append(decode_stats)
+            bar.update()
+    bar.close()
+    summary = summarise(config, records, stats)
+    write_outputs(config, records, summary)
+    return summary
+
+
+def build_methods(config: EvalConfig, model, tokenizer) -> dict[str, Callable]:
+    """Row name -> fn(prompt, index) -> (new tokens, Record, DecodeStats | None); plain first."""
+    sampling = dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
+    methods = {PLAIN: _ours(SpeculativeDecoder(model), PLAIN, config, tokenizer)}
+    drafts = {}
+    for name, proposer_config in config.proposers.items():
+        proposer = load_proposer(proposer_config, target=model)
+        methods[name] = _ours(SpeculativeDecoder(model, proposer), name, config, tokenizer)
+        if proposer_config.get("type") == "draft_model":
+            drafts[name] = proposer.model
+    counter = _ForwardCounter(model)
+    if config.hf_prompt_lookup:
+        lookup = dict(
+            prompt_lookup_num_tokens=config.hf_prompt_lookup["num_tokens"], max_matching_ngram_size=config.hf_prompt_lookup["max_ngram"]
+        )
+        methods["hf_prompt_lookup"] = _hf(model, counter, "hf_prompt_lookup", config, tokenizer, {**sampling, **lookup})
+    if config.hf_assisted:
+        for name, draft in drafts.items():
+            methods[f"hf_assisted[{name}]"] = _hf(
+                model, counter, f"hf_assisted[{name}]", config, tokenizer, {**sampling, "assistant_model": draft}
+            )
+    return methods
+
+
+def _ours(decoder: SpeculativeDecoder, name: str, config: EvalConfig, tokenizer) -> Callable:
+    def run(prompt: Prompt, index: int):
+        result = decoder.generate(
+            prompt.input_ids,
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+            seed=config.seed + index,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        s = result.stats
+        record = Record(
+            prompt.domain,
+            name,
+            index,
+            prompt.source,
+            prompt.input_ids.shape[1],
+            s.new_tokens,
+            s.target_forwards,
+            s.accept_lengths,
+            s.total_time,
+            s.ttft,
+            s.tokens_per_second,
+            s.tau,
+            None,
+        )
+        return result.new_tokens, record, s
+
+    return run
+
+
+class _ForwardCounter:
+    """Counts the target's forward calls (to get tau for transformers' own generation)."""
+
+    def __init__(self, model):
+        self.calls = 0
+        model.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args):
+        self.calls += 1
+
+
+def _hf(model, counter: _ForwardCounter, name: str, config: EvalConfig, tokenizer, kwargs: dict) -> Callable:
+    def run(prompt: Prompt, index: int):
+        torch.manual_seed(config.seed + index)
+        do_sample = config.temperature > 0
+        gen_kwargs = dict(kwargs, do_sample=do_sample)
+        if not do_sample:
+            for key in ("temperature", "top_k", "top_p"):
+                gen_kwargs.pop(key)
+        elif not gen_kwargs["top_k"]:
+            gen_kwargs["top_k"] = None
+        before = counter.calls
+        start = time.perf_counter()
+        out = model.generate(
+            prompt.input_ids,
+            max_new_tokens=config.max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+            **gen_kwargs,
+        )
+        wall = time.perf_counter() - start
+        tokens = out[0, prompt.input_ids.shape[1] :].tolist()
+        forwards = counter.calls - before
+        record = Record(
+            prompt.domain,
+            name,
+            index,
+            prompt.source,
+            prompt.input_ids.shape[1],
+            len(tokens),
+            forwards,
+            [],
+            wall,
+            None,
+            len(tokens) / wall,
+            len(tokens) / max(forwards, 1),
+            None,
+        )
+        return tokens, record, None
+
+    return run
+
+
+def summarise(config: EvalConfig, records: list[Record], stats: dict) -> dict[str, Any]:
+    """Per domain x method: tau, acceptance by depth, median tok/s and speedup, TTFT, identical outputs."""
+    rows = []
+    groups: dict[tuple[str, str], list[Record]] = {}
+    for r in records:
+        groups.setdefault((r.domain, r.method), []).append(r)
+    for (domain, method), group in groups.items():
+        merged = merge_stats(stats.get((domain, method), []))
+        uncond, cond = merged.acceptance_by_depth() if merged else ([], [])
+        ttfts = [r.ttft for r in group if r.ttft is not None]
+        identical = [r.identical_to_plain for r in group if r.identical_to_plain is not None]
+        rows.append(
+            {
+                "domain": domain,
+                "method": method,
+                "prompts": len(group),
+                "tau": sum(r.new_tokens for r in group) / max(sum(r.target_forwards for r in group), 1),
+                "acceptance_by_depth": uncond,
+                "conditional_acceptance_by_depth": cond,
+                "tokens_per_s": statistics.median(r.tokens_per_s for r in group),
+                "speedup": statistics.median(r.speedup for r in group),
+                "ttft_ms": 1000 * statistics.median(ttfts) if ttfts else None,
+                "identical": f"{sum(identical)}/{len(identical)}" if identical else None,
+            }
+        )
+    return {"config": asdict(config), "rows": rows}
+
+
+def merge_stats(all_stats: list[DecodeStats]) -> DecodeStats | None:
+    """Sum the depth counters of several requests (for acceptance by depth over a domain)."""
+    if not all_stats:
+        return None
+    merged = DecodeStats()
+    for s in all_stats:
+        for name in ("drafted_by_depth", "tried_by_depth", "accepted_by_depth"):
+            total, part = getattr(merged, name), getattr(s, name)
+            total.extend([0] * (len(part) - len(total)))
+            for d, count in enumerate(part):
+                total[d] += count
+    return merged
+
+
+def write_outputs(config: EvalConfig, records: list[Record], summary: dict[str, Any]) -> dict[str, Path]:
+    """Write records.jsonl, summary.json, table.md and the plots under ``config.output_dir``."""
+    from .report import markdown_table, plot_acceptance, plot_domains
+
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "records": out / "records.jsonl",
+        "summary": out / "summary.json",
+        "table": out / "table.md",
+        "domains_plot": out / "tau_speedup.png",
+        "acceptance_plot": out / "acceptance_by_depth.png",
+    }
+    paths["records"].write_text("".join(json.dumps(asdict(r)) + "\n" for r in records))
+    paths["summary"].write_text(json.dumps(summary, indent=2))
+    paths["table"].write_text(markdown_table(summary["rows"]))
+    plot_domains(summary["rows"], paths["domains_plot"])
+    plot_acceptance(summary["rows"], paths["acceptance_plot"])
+    summary["paths"] = {k: str(v) for k, v in paths.items()}
+    return paths
