@@ -120,7 +120,8 @@ class ProposeContext:
 
     Args:
         tokens: every committed token so far (prompt + generated), the last one not yet
-            scored by the target.
+            scored by the target. The decoder's own list, valid during the call: copy
+            what you keep.
         max_depth: the deepest node the verifier will keep (room left in the output
             and in the model's positions); deeper nodes are pruned.
         sampling: the processing to apply to draft distributions.
@@ -176,8 +177,9 @@ class VerifyResult:
 class Proposer(Protocol):
     """Guesses the next tokens cheaply; the verifier keeps what the target agrees with.
 
-    A decode calls ``begin`` once per request, then alternates ``propose`` and
-    ``observe``. Proposers keep their own per-request state.
+    A decode calls ``begin`` once per request, then ``observe`` after every verification
+    step, each usually preceded by ``propose`` (skipped, with an empty draft, when no
+    room is left to draft). Proposers keep their own per-request state.
     """
 
     #: Target hidden layers the proposer needs (empty for lookup proposers).

@@ -18,6 +18,7 @@ from .base import Proposer
 #: when they need the target model (vocabulary checks, hidden sizes).
 REGISTRY: dict[str, str] = {
     "ngram": "proposers.ngram:NgramProposer",
+    "draft_model": "proposers.draft_model:DraftModelProposer",
 }
 
 

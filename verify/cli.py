@@ -11,6 +11,13 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``generate`` and ``eval``; the ``draftsmith`` script (training.cli) adds ``demo``."""
+    parser, _ = add_verify_commands()
+    return run_command(parser, argv)
+
+
+def add_verify_commands():
+    """The parser with the generate and eval subcommands; returns (parser, subparsers)."""
     parser = argparse.ArgumentParser(prog="draftsmith", description="Speculative decoding for Hugging Face causal LMs.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -31,7 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     ev.add_argument("--no-progress", action="store_true")
     ev.set_defaults(run=run_eval)
+    return parser, commands
 
+
+def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    """Parse and run; a bad value or missing file is one line on stderr and exit code 2."""
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -82,7 +82,9 @@ class SpeculativeDecoder:
         tokens = prompt + [first]
         new_tokens = [first]
         if proposer is not None:
+            tick = time.perf_counter()
             proposer.begin(prompt, out.features)
+            stats.draft_time += time.perf_counter() - tick
 
         while len(new_tokens) < max_new_tokens and last not in eos:
             tick = time.perf_counter()

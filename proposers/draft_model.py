@@ -1,0 +1,389 @@
+"""A separate small causal LM drafts the next tokens: a chain, or a tree scored level by level.
+
+Speculative decoding as in Leviathan et al. 2023 and Chen et al. 2023. The tree expands
+the most probable leaves by cumulative log-prob at each depth (EAGLE-2, Li et al. 2024),
+one draft forward per depth through a 4D attention mask; sampled siblings are drawn
+without replacement (Jeon et al. 2024). The draft keeps its own KV cache and rolls it
+back to the committed tokens after every draft, so it never holds a rejected guess.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from .base import Draft, ProposeContext, SamplingParams, TargetFeatures, VerifyResult, logits_to_probs
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+SAMPLED_TOKEN_IDS = 4096  # token strings compared between draft and target tokenizers
+MIN_SIBLING_MASS = 1e-6  # stop drawing siblings when less draft mass than this is left
+
+
+class DraftModelProposer:
+    """Draft with a small causal LM that shares the target's vocabulary.
+
+    Args:
+        model: an ``nn.Module`` causal LM, or a local checkpoint directory.
+        k: draft depth (tokens per chain); the starting depth when ``dynamic``.
+        tree_width: 1 drafts a chain; w > 1 gives every expanded node w children and
+            expands the w best leaves (by cumulative draft log-prob) at each depth.
+        max_nodes: node budget of a tree (default: no limit beyond width and depth).
+        dynamic: grow the depth by 1 after a fully accepted draft, shrink it by 1 after a
+            rejection, within ``[k_min, k_max]``; reset to ``k`` by ``begin``.
+        k_min, k_max: bounds of the dynamic depth.
+        confidence_threshold: stop extending a branch after a token whose draft
+            probability is below this (None: always draft the full depth).
+        target: the target model; when given, the vocabularies are checked against it.
+    """
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(
+        self,
+        model: nn.Module | str | Path,
+        k: int = 4,
+        tree_width: int = 1,
+        max_nodes: int | None = None,
+        dynamic: bool = False,
+        k_min: int = 1,
+        k_max: int = 8,
+        confidence_threshold: float | None = None,
+        target: nn.Module | None = None,
+    ):
+        _check_settings(k, tree_width, max_nodes, dynamic, k_min, k_max, confidence_threshold)
+        if isinstance(model, (str, Path)):
+            model = load_draft_model(model, device=target.device if target is not None else None)
+        self.model = model.eval()
+        self.vocab_size = output_vocab_size(model)
+        if target is not None:
+            check_vocabulary(model, target)
+            warn_if_bigger(model, target)
+        self.k, self.tree_width, self.max_nodes = k, tree_width, max_nodes
+        self.dynamic, self.k_min, self.k_max = dynamic, k_min, k_max
+        self.confidence_threshold = confidence_threshold
+        self.depth = k  # the current draft depth; moves only when dynamic
+        self.cache: DynamicCache | None = None
+        self.cached_tokens: list[int] = []  # committed tokens whose KV the cache holds, in order
+        self._last_depth = 0
+
+    @classmethod
+    def from_config(
+        cls,
+        target: nn.Module | None = None,
+        model: str | None = None,
+        k: int = 4,
+        tree_width: int = 1,
+        max_nodes: int | None = None,
+        dynamic: bool = False,
+        k_min: int = 1,
+        k_max: int = 8,
+        confidence_threshold: float | None = None,
+    ) -> DraftModelProposer:
+        """Build from a config mapping (``load_proposer``); ``model`` is a checkpoint directory."""
+        # Explicit keywords, not **kwargs: load_proposer reads this signature to reject unknown keys.
+        if model is None:
+            raise ValueError("a draft_model config needs 'model': the directory of a causal LM checkpoint")
+        return cls(
+            model,
+            k=k,
+            tree_width=tree_width,
+            max_nodes=max_nodes,
+            dynamic=dynamic,
+            k_min=k_min,
+            k_max=k_max,
+            confidence_threshold=confidence_threshold,
+            target=target,
+        )
+
+    @property
+    def cache_len(self) -> int:
+        return self.cache.get_seq_length() if self.cache is not None else 0
+
+    @torch.inference_mode()
+    def begin(self, prompt: list[int], features: TargetFeatures | None) -> None:
+        """Prefill the draft cache with the prompt; reset the dynamic depth.
+
+        The depth restarts at ``k`` so that a seeded request gives the same output
+        whatever ran before it.
+        """
+        self.cache = DynamicCache(config=self.model.config)
+        self.cached_tokens = []
+        self.depth, self._last_depth = self.k, 0
+        if prompt:
+            self._forward(list(prompt), logits_to_keep=1)
+
+    @torch.inference_mode()
+    def propose(self, context: ProposeContext) -> Draft:
+        """Catch the cache up with ``context.tokens``, draft, then roll the cache back to them."""
+        assert context.tokens, "propose() needs at least one committed token"
+        depth = min(self.depth, context.max_depth)
+        if depth < 1:
+            return Draft.empty()
+        committed = len(context.tokens)
+        root_logits = self._catch_up(context.tokens)
+        try:
+            draft, self._last_depth = self._draft_tree(root_logits, depth, context.sampling, context.generator)
+        finally:
+            self._crop(committed)  # draft tokens are guesses: their KV must not outlive this call
+        return draft
+
+    def observe(self, result: VerifyResult, features: TargetFeatures | None) -> None:
+        """Adapt the draft depth (when dynamic); the cache catches up lazily in ``propose``."""
+        drafted, self._last_depth = self._last_depth, 0
+        if not self.dynamic or drafted == 0:
+            return
+        if result.recovered:
+            self.depth = max(self.k_min, self.depth - 1)
+        elif drafted == self.depth and result.num_accepted == drafted:
+            self.depth = min(self.k_max, self.depth + 1)
+
+    # -- the draft cache -------------------------------------------------------------
+
+    def _catch_up(self, tokens: list[int]) -> torch.Tensor:
+        """Feed the committed tokens the cache has not seen; return the logits after the last, ``[vocab]``."""
+        if self.cache is None:  # propose() without begin(): start from an empty cache
+            self.cache = DynamicCache(config=self.model.config)
+        cached = self.cached_tokens
+        limit = min(len(cached), len(tokens) - 1)  # the last token is always fed: we need its logits
+        keep = limit if tokens[:limit] == cached[:limit] else 0  # the usual case: one C-speed comparison
+        while keep < limit and cached[keep] == tokens[keep]:
+            keep += 1
+        self._crop(keep)
+        return self._forward(tokens[keep:], logits_to_keep=1)[-1]
+
+    def _forward(self, tokens: list[int], **kwargs) -> torch.Tensor:
+        """Run committed ``tokens`` through the draft, extending the cache; return float logits ``[rows, vocab]``."""
+        input_ids = torch.tensor([tokens], device=self.model.device)
+        logits = self.model(input_ids, cache=self.cache, use_cache=True, **kwargs).logits[0]
+        self.cached_tokens.extend(tokens)
+        return logits.float().cpu()  # the request's generator lives on the CPU
+
+    def _crop(self, length: int) -> None:
+        """Keep the first ``length`` cached positions (the same slicing as the target's commit)."""
+        for layer in self.cache.layers:
+            if layer.keys is not None and layer.keys.shape[-2] > length:
+                layer.keys = layer.keys[..., :length, :]
+                layer.values = layer.values[..., :length, :]
+        del self.cached_tokens[length:]
+
+    # -- drafting --------------------------------------------------------------------
+
+    def _draft_tree(self, root_logits: torch.Tensor, depth: int, sampling: SamplingParams, generator) -> tuple[Draft, int]:
+        """Grow a tree depth by depth (a chain when ``tree_width == 1``); return it and its depth."""
+        tree = _Tree()
+        width = self.tree_width
+        budget = self.max_nodes if self.max_nodes is not None else width + (depth - 1) * width**2  # default: no cut
+        frontier = tree.add_children(-1, root_logits, min(width, budget), sampling, generator)
+        reached = 1
+        while reached < depth and len(tree) < budget:
+            expand = self._select(tree, frontier)
+            if not expand:
+                break
+            rows = self._score_nodes(tree, expand)  # [len(expand), vocab], one forward
+            frontier = []
+            for node, logits in zip(expand, rows, strict=True):
+                count = min(width, budget - len(tree))
+                frontier += tree.add_children(node, logits, count, sampling, generator)
+            reached += 1
+        return tree.to_draft(sampling.greedy), reached
+
+    def _select(self, tree: _Tree, frontier: list[int]) -> list[int]:
+        """The leaves to expand: the ``tree_width`` best by cumulative log-prob, confident ones only."""
+        threshold = self.confidence_threshold
+        # A low-confidence token stays in the draft and only loses its children: dropping
+        # it because of its own value would bias a sampled draft away from draft_probs.
+        leaves = [n for n in frontier if threshold is None or tree.confidence[n] >= threshold]
+        return sorted(leaves, key=lambda n: -tree.score[n])[: self.tree_width]
+
+    def _score_nodes(self, tree: _Tree, nodes: list[int]) -> torch.Tensor:
+        """Feed ``nodes`` (whose ancestors are cached) in one forward; return their logits ``[len(nodes), vocab]``."""
+        device = self.model.device
+        input_ids = torch.tensor([[tree.tokens[n] for n in nodes]], device=device)
+        past = self.cache_len
+        for row, node in enumerate(nodes):
+            tree.slot[node] = past + row
+        if self.tree_width == 1:  # a chain: plain causal attention, the model builds its own mask
+            return self.model(input_ids, cache=self.cache, use_cache=True).logits[0].float().cpu()
+        mask, position_ids = _tree_mask(tree, nodes, len(self.cached_tokens), past, self.model.dtype)
+        out = self.model(input_ids, cache=self.cache, use_cache=True, attention_mask=mask.to(device), position_ids=position_ids.to(device))
+        return out.logits[0].float().cpu()
+
+
+def _tree_mask(tree: _Tree, nodes: list[int], committed: int, past: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4D additive mask ``[1, 1, m, past + m]`` and position ids ``[1, m]`` for feeding ``nodes``.
+
+    The cache holds ``committed`` tokens, then the tree nodes fed at earlier depths. A node
+    attends to the committed prefix, its ancestors and itself (0); ``-inf`` (the dtype's
+    minimum) elsewhere. Its position is the last committed token's plus its depth.
+    """
+    mask = torch.full((1, 1, len(nodes), past + len(nodes)), torch.finfo(dtype).min, dtype=dtype)
+    mask[..., :committed] = 0.0
+    for row, node in enumerate(nodes):
+        for fed in tree.path(node):  # the node and its ancestors, all cached by now
+            mask[0, 0, row, tree.slot[fed]] = 0.0
+    position_ids = torch.tensor([[committed - 1 + tree.depth[n] for n in nodes]])
+    return mask, position_ids
+
+
+class _Tree:
+    """A draft tree under construction: parents before children, with scores for expansion."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.depth: list[int] = []
+        self.rows: list[torch.Tensor] = []  # the distribution each node was drawn from
+        self.score: list[float] = []  # cumulative draft log-prob from the root
+        self.confidence: list[float] = []  # draft probability of the node's own token
+        self.slot: dict[int, int] = {}  # node -> its cache position, once fed
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def path(self, node: int) -> list[int]:
+        """``node`` and its ancestors."""
+        nodes = []
+        while node >= 0:
+            nodes.append(node)
+            node = self.parents[node]
+        return nodes
+
+    def add_children(self, parent: int, logits: torch.Tensor, count: int, sampling: SamplingParams, generator) -> list[int]:
+        """Add up to ``count`` children of ``parent`` from the draft's ``logits`` ``[vocab]``; return their indices."""
+        if count < 1:
+            return []
+        if sampling.greedy:
+            # Deterministic top-k children; confidence and scores use the raw softmax,
+            # since the processed greedy distribution is a point mass.
+            probs = torch.softmax(logits, dim=-1)
+            picks = [(int(t), None) for t in torch.topk(probs, min(count, probs.shape[-1])).indices]
+        else:
+            probs = logits_to_probs(logits, sampling)
+            picks = _sample_without_replacement(probs, count, generator)
+        base_score = self.score[parent] if parent >= 0 else 0.0
+        base_depth = self.depth[parent] if parent >= 0 else 0
+        added = []
+        for token, row in picks:
+            added.append(len(self.tokens))
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.depth.append(base_depth + 1)
+            self.rows.append(row)
+            self.confidence.append(float(probs[token]))
+            self.score.append(base_score + float(torch.log(probs[token])))
+        return added
+
+    def to_draft(self, greedy: bool) -> Draft:
+        """The finished tree; greedy drafts are deterministic (``draft_probs=None``)."""
+        token_ids = torch.tensor(self.tokens, dtype=torch.long)
+        parents = torch.tensor(self.parents, dtype=torch.long)
+        return Draft(token_ids, parents, None if greedy else torch.stack(self.rows))
+
+
+def _sample_without_replacement(probs: torch.Tensor, count: int, generator) -> list[tuple[int, torch.Tensor]]:
+    """Draw up to ``count`` distinct tokens from ``probs`` ``[vocab]``; pair each with the law it was drawn from.
+
+    Sibling i is drawn from ``probs`` with the earlier siblings' tokens zeroed and the rest
+    renormalised; the verifier needs exactly that row (the Draft contract).
+    """
+    remaining = probs.clone()
+    picks = []
+    for _ in range(count):
+        mass = float(remaining.sum())
+        if mass < MIN_SIBLING_MASS:  # a stopping rule on earlier siblings only: the law stays exact
+            break
+        row = remaining / mass
+        token = int(torch.multinomial(row, 1, generator=generator))
+        picks.append((token, row))
+        remaining = remaining.clone()
+        remaining[token] = 0.0
+    return picks
+
+
+# -- construction checks -------------------------------------------------------------
+
+
+def _check_settings(k, tree_width, max_nodes, dynamic, k_min, k_max, confidence_threshold) -> None:
+    if k < 1 or tree_width < 1:
+        raise ValueError(f"k and tree_width must be >= 1, got k={k}, tree_width={tree_width}")
+    if max_nodes is not None and max_nodes < 1:
+        raise ValueError(f"max_nodes must be >= 1 or None, got {max_nodes}")
+    if dynamic and not 1 <= k_min <= k <= k_max:
+        raise ValueError(f"dynamic depth needs 1 <= k_min <= k <= k_max, got k_min={k_min}, k={k}, k_max={k_max}")
+    if confidence_threshold is not None and not 0.0 <= confidence_threshold < 1.0:
+        raise ValueError(f"confidence_threshold must be in [0, 1) or None, got {confidence_threshold}")
+
+
+def load_draft_model(path: str | Path, device: torch.device | None = None) -> nn.Module:
+    """Load a causal LM checkpoint directory in float32 (on ``device`` when given)."""
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"draft model directory {path} does not exist (no hub downloads: give a local checkpoint)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.to(device) if device is not None else model
+
+
+def output_vocab_size(model: nn.Module) -> int:
+    """Rows of the model's output embedding (what its logits range over)."""
+    head = model.get_output_embeddings()
+    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
+
+
+def check_vocabulary(draft: nn.Module, target: nn.Module) -> None:
+    """Raise ValueError unless draft and target score the same tokens.
+
+    Compares logits sizes, then (when both checkpoint directories hold a tokenizer) the
+    special tokens and the strings of a sample of token ids.
+    """
+    draft_size, target_size = output_vocab_size(draft), output_vocab_size(target)
+    if draft_size != target_size:
+        raise ValueError(
+            f"draft vocabulary size {draft_size} differs from the target's {target_size}: the draft model must use the target's tokenizer"
+        )
+    draft_tok, target_tok = _local_tokenizer(draft), _local_tokenizer(target)
+    if draft_tok is None or target_tok is None:
+        return
+    if len(draft_tok) != len(target_tok):
+        raise ValueError(f"draft tokenizer has {len(draft_tok)} tokens, the target's {len(target_tok)}: the vocabularies differ")
+    for role in ("bos_token", "eos_token", "unk_token"):
+        mine, theirs = getattr(draft_tok, role, None), getattr(target_tok, role, None)
+        if str(mine) != str(theirs):
+            raise ValueError(f"draft {role} is {mine!r} but the target's is {theirs!r}: the vocabularies differ")
+    for i in _sample_ids(len(target_tok), draft_tok.all_special_ids + target_tok.all_special_ids):
+        mine, theirs = draft_tok.convert_ids_to_tokens(i), target_tok.convert_ids_to_tokens(i)
+        if mine != theirs:
+            raise ValueError(f"token id {i} is {mine!r} in the draft tokenizer but {theirs!r} in the target's: the vocabularies differ")
+
+
+def _sample_ids(size: int, special_ids: list[int]) -> list[int]:
+    """Every id for small vocabularies; else evenly spaced ids, the last 256 (added tokens) and the specials."""
+    if size <= SAMPLED_TOKEN_IDS:
+        return list(range(size))
+    spread = torch.linspace(0, size - 1, SAMPLED_TOKEN_IDS).long().tolist()
+    return sorted(set(spread) | set(range(size - 256, size)) | {i for i in special_ids if 0 <= i < size})
+
+
+def _local_tokenizer(model: nn.Module):
+    """The tokenizer saved next to a model's checkpoint, or None when there is none."""
+    path = Path(getattr(model, "name_or_path", "") or "")
+    if not str(path) or not path.is_dir() or not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as error:  # a broken tokenizer must not hide behind a passing size check
+        warnings.warn(f"could not load the tokenizer in {path} ({error}); vocabularies compared by size only", stacklevel=3)
+        return None
+
+
+def warn_if_bigger(draft: nn.Module, target: nn.Module) -> None:
+    """Warn when the draft has more parameters than the target: drafting then costs more than it saves."""
+    draft_params = sum(p.numel() for p in draft.parameters())
+    target_params = sum(p.numel() for p in target.parameters())
+    if draft_params > target_params:
+        warnings.warn(
+            f"draft model has {draft_params:,} parameters, more than the target's {target_params:,}: it cannot pay",
+            stacklevel=3,
+        )

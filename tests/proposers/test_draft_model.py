@@ -1,0 +1,328 @@
+"""The draft-model proposer: greedy identity, the sampled output law, cache rollback, construction checks.
+
+The law tests decode 3 tokens after a fixed prompt with a V = 8 target and a different
+V = 8 draft, one request per seed, and compare the joint of the 3 tokens with the exact
+joint from the target's own processed next-token probabilities. Bound: chi-square at
+alpha = 1e-3 (``law_check``). The negative control reports draft rows that ignore the
+earlier siblings of a without-replacement draw and must fail the same check.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import itertools
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import DynamicCache, PreTrainedTokenizerFast
+
+import proposers.draft_model as draft_model
+from proposers import load_proposer
+from proposers.base import ProposeContext, SamplingParams, logits_to_probs
+from proposers.draft_model import DraftModelProposer
+from verify import SpeculativeDecoder
+
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: on a shared 2-core machine a second thread makes each forward ~10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    torch.manual_seed(1)
+    return torch.randint(3, 128, (1, 12))
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompt):
+    out = model.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, prompt.shape[1] :].tolist()
+
+
+@pytest.fixture(scope="module")
+def drafts(model, make_llama):
+    """A different (smaller) random llama, and an exact copy of the target."""
+    return {"other": make_llama(hidden_size=16, seed=5), "copy": copy.deepcopy(model)}
+
+
+CONFIGS = {
+    "chain": {},
+    "tree": {"tree_width": 3},
+    "tree_budget": {"tree_width": 2, "max_nodes": 5},
+    "dynamic_chain": {"dynamic": True},
+    "dynamic_tree": {"tree_width": 2, "dynamic": True},
+    "confident_chain": {"confidence_threshold": 0.5},
+    "confident_tree": {"tree_width": 2, "confidence_threshold": 0.5},
+}
+
+# Measured with the copy draft over 40 tokens: 4.44 (k = 4: 4 accepted + 1 bonus per forward,
+# less the last partial step), 5.71 when dynamic depth grows to k_max = 8, 2.86 when the
+# node budget stops the tree at depth 2.
+COPY_MIN_TAU = {"chain": 4.0, "tree": 4.0, "tree_budget": 2.5, "dynamic_chain": 5.0, "dynamic_tree": 4.0}
+
+
+@pytest.mark.parametrize("draft_name", ["other", "copy"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_greedy_is_token_identical_to_generate(config, draft_name, model, drafts, prompt, reference):
+    proposer = DraftModelProposer(drafts[draft_name], k=4, target=model, **CONFIGS[config])
+    result = SpeculativeDecoder(model, proposer).generate(prompt, max_new_tokens=MAX_NEW)
+    assert result.new_tokens == reference
+    stats = result.stats
+    mean_depth = stats.drafted_tokens / stats.steps if config.endswith("chain") else None
+    if draft_name == "copy" and config in COPY_MIN_TAU:
+        # The copy agrees with the target everywhere, so every draft is accepted in full.
+        assert stats.tau > COPY_MIN_TAU[config], f"tau {stats.tau:.2f}"
+    if config.startswith("dynamic"):
+        assert proposer.depth == (proposer.k_max if draft_name == "copy" else proposer.k_min)
+    if config == "confident_chain":
+        # The draft's own confidence stops chains early, even when they would be accepted.
+        assert mean_depth < 3.0 and (draft_name == "other" or stats.tau > 1.5), f"depth {mean_depth:.2f}, tau {stats.tau:.2f}"
+
+
+def test_tree_children_are_the_top_tokens_after_their_path(drafts, prompt):
+    """Scoring a depth with the tree mask gives each node the logits of its own linear path."""
+    draft_lm = drafts["other"]
+    proposer = DraftModelProposer(draft_lm, k=3, tree_width=3)
+    tokens = prompt[0].tolist()
+    proposer.begin(tokens[:-1], None)
+    draft = proposer.propose(ProposeContext(tokens, max_depth=3, sampling=SamplingParams()))
+    ids, parents = draft.token_ids.tolist(), draft.parents.tolist()
+    assert draft.num_nodes == 3 + 9 + 9 and draft.draft_probs is None  # 3 root children, 3 expanded per depth
+    for node in [-1] + sorted(set(parents) - {-1}):
+        path, walk = [], node
+        while walk >= 0:
+            path.insert(0, ids[walk])
+            walk = parents[walk]
+        with torch.no_grad():
+            logits = draft_lm(torch.tensor([tokens + path])).logits[0, -1]
+        children = [ids[i] for i, p in enumerate(parents) if p == node]
+        assert children == torch.topk(logits, len(children)).indices.tolist(), f"children of node {node}"
+
+
+# ---------------------------------------------------------------------------------------
+# The draft cache
+
+
+def assert_cache_is_fresh_prefill(proposer: DraftModelProposer, tokens: list[int]) -> None:
+    assert proposer.cached_tokens == tokens
+    assert proposer.cache_len == len(tokens)
+    fresh = DynamicCache(config=proposer.model.config)
+    with torch.no_grad():
+        proposer.model(torch.tensor([tokens]), cache=fresh, use_cache=True)
+    for mine, ref in zip(proposer.cache.layers, fresh.layers, strict=True):
+        torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("config", ["chain", "tree"])
+def test_draft_cache_holds_exactly_the_committed_tokens(config, temperature, model, drafts, prompt, monkeypatch):
+    proposer = DraftModelProposer(drafts["other"], target=model, **CONFIGS[config])
+    propose, contexts = proposer.propose, []
+
+    def checked_propose(context):
+        draft = propose(context)
+        assert_cache_is_fresh_prefill(proposer, context.tokens)  # draft tokens rolled back
+        contexts.append(context)
+        return draft
+
+    monkeypatch.setattr(proposer, "propose", checked_propose)
+    result = SpeculativeDecoder(model, proposer).generate(prompt, max_new_tokens=16, temperature=temperature, seed=0)
+    assert len(contexts) > 3 and result.stats.drafted_tokens > 0
+    # Lazy catch-up also survives a history that diverged from the cache (a new request without begin).
+    tokens = contexts[-1].tokens[:8] + [7, 8, 9]
+    propose(ProposeContext(tokens, max_depth=4, sampling=SamplingParams(temperature), generator=torch.Generator()))
+    assert_cache_is_fresh_prefill(proposer, tokens)
+
+
+# ---------------------------------------------------------------------------------------
+# The sampled output law
+
+V = 8
+N_LAW = 4000
+N_CONTROL = 1000  # fewer samples only make a control harder to catch, so failing it is the stronger result
+LAW_PROMPT = torch.tensor([[1, 2, 7]])
+LAW_CASES = {"chain_t0.7": ({}, 0.7), "tree_t1.0": ({"tree_width": 3}, 1.0)}
+
+
+@pytest.fixture(scope="module")
+def law_models(make_llama):
+    """One-layer V = 8 target and draft: the law tests run thousands of requests.
+
+    The draft is sharpened (like a trained draft, it is confident), which makes the
+    first sibling often a confident miss: the case where sibling rows matter most.
+    """
+    target = make_llama(vocab_size=V, hidden_size=16, layers=1, seed=5)
+    draft_lm = make_llama(vocab_size=V, hidden_size=16, layers=1, seed=11)
+    with torch.no_grad():
+        draft_lm.lm_head.weight.mul_(4.0)
+    return target, draft_lm
+
+
+def exact_law(target, temperature: float) -> dict:
+    """The target's joint law of the first 3 tokens after LAW_PROMPT, from its own next-token probabilities."""
+    pairs = torch.tensor(list(itertools.product(range(V), repeat=2)))  # [V * V, 2]
+    sequences = torch.cat([LAW_PROMPT.expand(len(pairs), -1), pairs], dim=1)
+    with torch.no_grad():
+        logits = target(sequences).logits[:, -3:]  # after the prompt, after x, after (x, y)
+    probs = logits_to_probs(logits, SamplingParams(temperature=temperature)).double()
+    law = {}
+    for row, (x, y) in enumerate(pairs.tolist()):
+        for z in range(V):
+            law[(x, y, z)] = float(probs[row, 0, x] * probs[row, 1, y] * probs[row, 2, z])
+    return {outcome: p for outcome, p in law.items() if p > 0}
+
+
+def sample_law(target, proposer, temperature: float, n: int) -> tuple[Counter, list[int]]:
+    """Counts of the 3 decoded tokens over n seeded requests, and the tokens accepted in each first step."""
+    decoder = SpeculativeDecoder(target, proposer)
+    counts: Counter = Counter()
+    accepted: list[int] = []
+    for seed in range(n):
+        result = decoder.generate(LAW_PROMPT, max_new_tokens=3, temperature=temperature, seed=seed)
+        counts[tuple(result.new_tokens)] += 1
+        accepted.append(result.stats.accept_lengths[0])  # the first step always drafts (depth 1)
+    return counts, accepted
+
+
+def law_statistics(counts: Counter, law: dict, n: int, law_check) -> dict[str, tuple[float, float, float]]:
+    """(chi2, critical, TV) for the joint of the 3 tokens and for the marginal of the first 2.
+
+    The pair marginal has 8x fewer cells, so it is the sharper test of depth-1 drafts.
+    """
+    pair_counts, pair_law = Counter(), Counter()
+    for outcome, count in counts.items():
+        pair_counts[outcome[:2]] += count
+    for outcome, p in law.items():
+        pair_law[outcome[:2]] += p
+    return {"tokens 1-3": law_check(counts, law, n), "tokens 1-2": law_check(pair_counts, dict(pair_law), n)}
+
+
+@pytest.mark.parametrize("case", list(LAW_CASES))
+def test_sampled_output_follows_the_target_law(case, law_models, law_check):
+    config, temperature = LAW_CASES[case]
+    target, draft_lm = law_models
+    counts, accepted = sample_law(target, DraftModelProposer(draft_lm, k=4, **config), temperature, N_LAW)
+    for name, (stat, critical, tv) in law_statistics(counts, exact_law(target, temperature), N_LAW, law_check).items():
+        assert stat < critical, f"{case}, {name}: chi2 {stat:.1f} >= {critical:.1f} (TV {tv:.3f})"
+    # Not vacuous: the first draft token is accepted in some requests and rejected in others.
+    assert 0.05 < sum(a > 0 for a in accepted) / len(accepted) < 0.95
+
+
+sample_without_replacement = draft_model._sample_without_replacement
+
+
+def sample_ignoring_earlier_siblings(probs, count, generator):
+    """Broken: draws without replacement but reports the unconditioned draft law for every sibling."""
+    return [(token, probs) for token, _ in sample_without_replacement(probs, count, generator)]
+
+
+def test_negative_control_wrong_draft_probs_fails_the_law_test(law_models, law_check, monkeypatch):
+    monkeypatch.setattr(draft_model, "_sample_without_replacement", sample_ignoring_earlier_siblings)
+    config, temperature = LAW_CASES["tree_t1.0"]
+    target, draft_lm = law_models
+    counts, _ = sample_law(target, DraftModelProposer(draft_lm, k=4, **config), temperature, N_CONTROL)
+    results = law_statistics(counts, exact_law(target, temperature), N_CONTROL, law_check)
+    for name, (stat, critical, tv) in results.items():
+        assert stat >= critical, f"broken draft_probs passed the law test on {name} (chi2 {stat:.1f} < {critical:.1f}, TV {tv:.3f})"
+
+
+# ---------------------------------------------------------------------------------------
+# Construction: config, vocabulary, size
+
+
+def save_with_tokenizer(model, path, rename: dict[int, str] | None = None):
+    """Save ``model`` with a word-level tokenizer over its vocabulary (``rename`` changes some token strings)."""
+    names = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, model.config.vocab_size)]
+    for i, name in (rename or {}).items():
+        names[i] = name
+    backend = Tokenizer(models.WordLevel({name: i for i, name in enumerate(names)}, unk_token=names[3]))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = dict(zip(["pad_token", "bos_token", "eos_token", "unk_token"], names[:4], strict=True))
+    model.save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=backend, **specials).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(model, drafts, tmp_path_factory):
+    """Target, matching draft and mismatched drafts saved as directories with tokenizers."""
+    root = tmp_path_factory.mktemp("draft_model")
+    target_dir = save_with_tokenizer(model, root / "target")
+    target = type(model).from_pretrained(target_dir, dtype=torch.float32).eval()
+    return {
+        "target": target,
+        "draft": save_with_tokenizer(drafts["other"], root / "draft"),
+        "renamed": save_with_tokenizer(drafts["other"], root / "renamed", rename={77: "w77x"}),
+        "other_eos": save_with_tokenizer(drafts["other"], root / "other_eos", rename={2: "<eos>"}),
+    }
+
+
+def test_load_proposer_builds_a_draft_model_from_a_directory(checkpoints, prompt, reference):
+    target = checkpoints["target"]
+    proposer = load_proposer({"type": "draft_model", "model": checkpoints["draft"]}, target=target)
+    assert isinstance(proposer, DraftModelProposer) and proposer.vocab_size == 128 and proposer.k == 4
+    assert SpeculativeDecoder(target, proposer).generate(prompt, max_new_tokens=MAX_NEW).new_tokens == reference
+
+
+def test_from_config_takes_the_constructor_keys():
+    init = [p for p in inspect.signature(DraftModelProposer).parameters if p != "target"]
+    assert [p for p in inspect.signature(DraftModelProposer.from_config).parameters if p != "target"] == init
+
+
+def test_config_errors(checkpoints):
+    target = checkpoints["target"]
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['depth'\].*valid keys"):
+        load_proposer({"type": "draft_model", "model": checkpoints["draft"], "depth": 3}, target=target)
+    with pytest.raises(ValueError, match="needs 'model'"):
+        load_proposer({"type": "draft_model"}, target=target)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_proposer({"type": "draft_model", "model": "/nonexistent/draft"}, target=target)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"k": 0}, "k and tree_width"),
+        ({"tree_width": 0}, "k and tree_width"),
+        ({"max_nodes": 0}, "max_nodes"),
+        ({"dynamic": True, "k": 9, "k_max": 8}, "k_min <= k <= k_max"),
+        ({"confidence_threshold": 1.5}, "confidence_threshold"),
+    ],
+)
+def test_bad_settings(kwargs, message, drafts):
+    with pytest.raises(ValueError, match=message):
+        DraftModelProposer(drafts["other"], **kwargs)
+
+
+def test_vocabulary_size_mismatch_is_refused(model, make_llama):
+    with pytest.raises(ValueError, match="draft vocabulary size 64 differs from the target's 128"):
+        DraftModelProposer(make_llama(vocab_size=64, hidden_size=16), target=model)
+
+
+@pytest.mark.parametrize(
+    "name,message",
+    [("renamed", "token id 77 is 'w77x' in the draft"), ("other_eos", "draft eos_token is '<eos>' but the target's is '</s>'")],
+)
+def test_tokenizer_mismatch_is_refused(name, message, checkpoints):
+    with pytest.raises(ValueError, match=message):
+        load_proposer({"type": "draft_model", "model": checkpoints[name]}, target=checkpoints["target"])
+
+
+def test_a_draft_bigger_than_the_target_warns(model, make_llama):
+    with pytest.warns(UserWarning, match="cannot pay"):
+        DraftModelProposer(make_llama(hidden_size=64), target=model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DraftModelProposer(make_llama(hidden_size=16), target=model)

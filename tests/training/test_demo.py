@@ -1,0 +1,38 @@
+"""The offline demo: domains from held-out files only, and the quick demo end to end."""
+
+from __future__ import annotations
+
+import json
+
+from training.corpus import Document
+from training.demo import build_domains, run_demo
+
+
+def test_domains_are_built_from_the_documents_given(tmp_path):
+    docs = {
+        "code": [Document(f"stdlib/m{i}.py", "code", "".join(f"x{i}_{j} = {j}\n" for j in range(40))) for i in range(3)],
+        "prose": [Document(f"man/p{i}.1.gz", "prose", "".join(f"word{i} line {j}\n" for j in range(40))) for i in range(3)],
+    }
+    paths = build_domains(docs, tmp_path, num_prompts=2, prompt_chars=200)
+    rows = {d: [json.loads(line) for line in open(p)] for d, p in paths.items()}
+    assert [len(rows[d]) for d in ("code", "prose", "copy")] == [2, 2, 2]
+    assert {r["source"] for r in rows["code"]} <= {d.path for d in docs["code"]}
+    for row in rows["copy"]:
+        passage, opening = row["prompt"].split("\n\n")
+        assert passage.startswith(opening)  # the continuation of the prompt repeats the passage
+
+
+def test_quick_demo_end_to_end(tmp_path, monkeypatch):
+    """Trains the quick target (cached under .cache/ after the first run) and evaluates it."""
+    summary = run_demo(quick=True, output_dir=str(tmp_path / "demo"), num_prompts=2, max_new_tokens=16)
+    rows = {(r["domain"], r["method"]): r for r in summary["rows"]}
+    for domain in ("code", "prose", "copy"):
+        for method in ("plain", "ngram", "ngram_tree", "hf_prompt_lookup"):
+            row = rows[(domain, method)]
+            assert row["identical"] == "2/2", (domain, method)
+            assert row["tau"] >= 1.0
+    for name in ("table.md", "tau_speedup.png", "acceptance_by_depth.png", "records.jsonl", "summary.json"):
+        assert (tmp_path / "demo" / name).stat().st_size > 0
+    # the domains were written from the held-out split of the target's corpus
+    sources = {json.loads(line)["source"] for line in open(tmp_path / "demo" / "domains" / "code.jsonl")}
+    assert sources

@@ -1,0 +1,115 @@
+"""The offline demo: a target trained on this machine's text, evaluated per domain.
+
+``draftsmith demo`` uses the shipped target in ``recipes/demo_target/`` (or trains one with
+``recipes/demo_target.yaml`` when it is missing; ``--quick`` trains the minutes-long
+quick profile instead), writes the evaluation domains from the target's *held-out*
+files, and runs the evaluation of every proposer that needs no training of its own,
+plus trained drafts found under ``recipes/``, against plain decoding and transformers'
+prompt lookup / assisted generation.
+
+Domains (one JSONL file each, ``{"prompt", "domain", "source"}``):
+- ``code``: held-out standard-library modules;
+- ``prose``: held-out man pages, package docs and pydoc topics;
+- ``copy``: a held-out passage, a blank line, then the passage's opening again, so
+  the continuation repeats the context (the RAG / summarisation case).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import yaml
+
+from training import pretrain
+from training.corpus import Document
+
+RECIPES = Path("recipes")
+DEMO_TARGET = RECIPES / "demo_target"
+DEMO_PROPOSERS = {
+    "ngram": {"type": "ngram"},
+    "ngram_tree": {"type": "ngram", "min_n": 1, "branches": 4, "max_nodes": 16},
+}
+
+
+def ensure_target(quick: bool) -> Path:
+    """The target directory: shipped, or trained now (the quick profile with ``quick``)."""
+    if not quick and (DEMO_TARGET / "model.safetensors").is_file():
+        return DEMO_TARGET
+    recipe = RECIPES / ("demo_target_quick.yaml" if quick else "demo_target.yaml")
+    if not quick:
+        print(f"{DEMO_TARGET} is missing: training it with {recipe} (about an hour on 2 CPU cores)")
+    out = pretrain.run(pretrain.load_config(recipe))
+    if out is None:
+        raise RuntimeError(f"training with {recipe} stopped before the end; run the demo again to resume")
+    return out
+
+
+def heldout_documents(target_dir: Path) -> dict[str, list[Document]]:
+    """The held-out documents of the target's own training corpus (same split, never trained on)."""
+    cfg = pretrain.config_from_dict(yaml.safe_load((target_dir / "training_config.yaml").read_text()))
+    corpus_dir = pretrain.build_corpus(cfg, Path(cfg.work_dir))
+    return {domain: pretrain.read_documents(corpus_dir, domain, "heldout") for domain in ("code", "prose")}
+
+
+def _window(text: str, chars: int, salt: str) -> str:
+    """A deterministic slice of about ``chars`` characters starting at a line boundary."""
+    lines = text.splitlines(keepends=True)
+    start = int(hashlib.sha1(salt.encode()).hexdigest(), 16) % max(1, len(lines) // 2)
+    out = "".join(lines[start:])[:chars]
+    return out if out.strip() else text[:chars]
+
+
+def build_domains(docs: dict[str, list[Document]], out_dir: Path, num_prompts: int, prompt_chars: int) -> dict[str, str]:
+    """Write code / prose / copy JSONL files of prompts; return ``{domain: path}``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, list[dict]] = {"code": [], "prose": [], "copy": []}
+    for domain in ("code", "prose"):
+        for doc in docs[domain][:num_prompts]:
+            rows[domain].append({"prompt": _window(doc.text, prompt_chars, doc.path), "domain": domain, "source": doc.path})
+    mixed = [d for pair in zip(docs["code"], docs["prose"], strict=False) for d in pair]
+    for doc in mixed[:num_prompts]:
+        passage = _window(doc.text, prompt_chars // 2, "copy:" + doc.path).rstrip()
+        opening = passage.splitlines()[0] if passage.splitlines() else passage[:40]
+        rows["copy"].append({"prompt": f"{passage}\n\n{opening}", "domain": "copy", "source": doc.path})
+    paths = {}
+    for domain, items in rows.items():
+        if not items:
+            raise ValueError(f"no held-out documents for domain {domain!r}: the target's corpus split is empty")
+        path = out_dir / f"{domain}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in items))
+        paths[domain] = str(path)
+    return paths
+
+
+def trained_drafts() -> dict[str, dict]:
+    """Proposer configs for the trained drafts shipped under recipes/ (none until trained)."""
+    found = {}
+    for path in sorted(RECIPES.glob("demo_draft*/config.json")):
+        found[path.parent.name] = {"type": "draft_model", "model": str(path.parent)}
+    return found
+
+
+def run_demo(quick: bool = False, output_dir: str = "outputs/demo", num_prompts: int = 8, max_new_tokens: int = 64) -> dict:
+    """Build or reuse the target, write the domains, run the evaluation; return its summary."""
+    from proposers import REGISTRY
+    from verify.evaluate import EvalConfig, evaluate
+
+    target_dir = ensure_target(quick)
+    block = json.loads((target_dir / "config.json").read_text()).get("max_position_embeddings", 256)
+    prompt_tokens = min(128, block - max_new_tokens - 8)
+    domains = build_domains(heldout_documents(target_dir), Path(output_dir) / "domains", num_prompts, prompt_chars=4 * prompt_tokens)
+    proposers = dict(DEMO_PROPOSERS)
+    if "draft_model" in REGISTRY:
+        proposers.update(trained_drafts())
+    config = EvalConfig(
+        target=str(target_dir),
+        domains=domains,
+        proposers=proposers,
+        num_prompts=num_prompts,
+        prompt_tokens=prompt_tokens,
+        max_new_tokens=max_new_tokens,
+        output_dir=output_dir,
+    )
+    return evaluate(config)
