@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from .base import Draft, ProposeContext, SamplingParams, TargetFeatures, VerifyResult, logits_to_probs
+from .base import Draft, ProposeContext, SamplingParams, TargetFeatures, VerifyResult, crop_cache, logits_to_probs, output_vocab_size
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 SAMPLED_TOKEN_IDS = 4096  # token strings compared between draft and target tokenizers
@@ -163,11 +163,8 @@ class DraftModelProposer:
         return logits.float().cpu()  # the request's generator lives on the CPU
 
     def _crop(self, length: int) -> None:
-        """Keep the first ``length`` cached positions (the same slicing as the target's commit)."""
-        for layer in self.cache.layers:
-            if layer.keys is not None and layer.keys.shape[-2] > length:
-                layer.keys = layer.keys[..., :length, :]
-                layer.values = layer.values[..., :length, :]
+        """Keep the first ``length`` cached positions and their tokens."""
+        crop_cache(self.cache, length)
         del self.cached_tokens[length:]
 
     # -- drafting --------------------------------------------------------------------
@@ -324,12 +321,6 @@ def load_draft_model(path: str | Path, device: torch.device | None = None) -> nn
         raise FileNotFoundError(f"draft model directory {path} does not exist (no hub downloads: give a local checkpoint)")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model.to(device) if device is not None else model
-
-
-def output_vocab_size(model: nn.Module) -> int:
-    """Rows of the model's output embedding (what its logits range over)."""
-    head = model.get_output_embeddings()
-    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
 
 
 def check_vocabulary(draft: nn.Module, target: nn.Module) -> None:

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from proposers.base import Draft, ProposeContext, Proposer, SamplingParams, TargetFeatures, VerifyResult
+from proposers.base import Draft, ProposeContext, Proposer, SamplingParams, TargetFeatures, VerifyResult, output_vocab_size
 
 from .rejection import rejection_sample
 from .stats import DecodeStats
-from .target import Target, TargetOutput, target_vocab_size
+from .target import Target, TargetOutput
 from .tree import node_depths, prune_depth, validate_draft
 
 
@@ -44,7 +44,7 @@ class SpeculativeDecoder:
     def __init__(self, model: PreTrainedModel, proposer: Proposer | None = None):
         self.model = model.eval()
         self.proposer = proposer
-        self.vocab_size = target_vocab_size(model)
+        self.vocab_size = output_vocab_size(model)
         proposer_vocab = getattr(proposer, "vocab_size", None)
         if proposer_vocab is not None and proposer_vocab != self.vocab_size:
             raise ValueError(f"proposer vocabulary size {proposer_vocab} differs from the target's {self.vocab_size}")

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
-from proposers.base import Draft, TargetFeatures
+from proposers.base import Draft, TargetFeatures, crop_cache, output_vocab_size
 
 from .tree import tree_attention_mask, tree_position_ids
 
@@ -31,12 +32,6 @@ class TargetOutput:
     features: TargetFeatures | None
 
 
-def target_vocab_size(model: PreTrainedModel) -> int:
-    """Rows of the model's output embedding (what its logits range over)."""
-    head = model.get_output_embeddings()
-    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
-
-
 class Target:
     """One request's view of the target model and its KV cache.
 
@@ -49,7 +44,7 @@ class Target:
     def __init__(self, model: PreTrainedModel, hidden_layers: tuple[int, ...] = ()):
         self.model = model
         self.hidden_layers = tuple(hidden_layers)
-        self.vocab_size = target_vocab_size(model)
+        self.vocab_size = output_vocab_size(model)
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.cache: DynamicCache | None = None
         self._scored_past = 0  # cache length before the last score()
@@ -63,6 +58,11 @@ class Target:
         """Run the prompt ``[1, T]``; return the last position's logits ``[1, vocab]``."""
         self.cache = DynamicCache(config=self.model.config)
         out = self._forward(input_ids, logits_to_keep=1)
+        # Committing a tree slices each layer's keys/values; sliding-window or static layers
+        # keep other bookkeeping that slicing would corrupt.
+        unsupported = sorted({type(layer).__name__ for layer in self.cache.layers if type(layer) is not DynamicLayer})
+        if unsupported:
+            raise ValueError(f"the target's cache has {unsupported} layers; only full-attention DynamicLayer caches are supported")
         return out
 
     def score(self, root_token: int, draft: Draft) -> TargetOutput:
@@ -87,18 +87,12 @@ class Target:
         """Keep the root and the accepted nodes in the cache; drop every other scored entry."""
         past = self._scored_past
         if self._scored_chain or accepted_nodes == list(range(len(accepted_nodes))):
-            self._crop(past + 1 + len(accepted_nodes))
+            crop_cache(self.cache, past + 1 + len(accepted_nodes))
             return
         keep = torch.tensor(list(range(past + 1)) + [past + 1 + i for i in accepted_nodes], device=self.model.device)
         for layer in self.cache.layers:
             layer.keys = layer.keys.index_select(-2, keep)
             layer.values = layer.values.index_select(-2, keep)
-
-    def _crop(self, length: int) -> None:
-        for layer in self.cache.layers:
-            if layer.keys.shape[-2] > length:
-                layer.keys = layer.keys[..., :length, :]
-                layer.values = layer.values[..., :length, :]
 
     def _forward(self, input_ids: torch.Tensor, **kwargs) -> TargetOutput:
         want_hidden = bool(self.hidden_layers)
