@@ -20,11 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
-import math
-import shutil
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -38,6 +34,18 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from training.common import (
+    TrainState,
+    config_hash,
+    cosine_lr,
+    load_recipe,
+    make_adamw,
+    plot_curve,
+    resume,
+    save_checkpoint,
+    sigterm_as_interrupt,
+)
+from training.common import config_from_dict as _config_from_dict
 from training.corpus import DOMAINS, SPLITS, Document, collect_corpus
 from training.tokenizer import build_tokenizer
 
@@ -96,30 +104,9 @@ TOKENIZER_KEYS = (*CORPUS_KEYS, "vocab_size", "block_size")
 # --- config --------------------------------------------------------------
 
 
-def _to_float(value: int | str) -> float | str:
-    try:
-        return float(value)
-    except ValueError:
-        return value
-
-
 def config_from_dict(values: dict) -> PretrainConfig:
     """A ``PretrainConfig`` from plain values; unknown keys and wrong types fail."""
-    fields = {f.name: type(f.default) for f in dataclasses.fields(PretrainConfig)}
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise ValueError(f"unknown config key(s) {unknown}; valid keys: {sorted(fields)}")
-    checked = {}
-    for key, value in values.items():
-        kind = fields[key]
-        if kind is float and isinstance(value, (int, str)) and not isinstance(value, bool):
-            value = _to_float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ValueError(f"config key {key}: expected {kind.__name__}, got {value!r}")
-        if value not in CHOICES.get(key, (value,)):
-            raise ValueError(f"config key {key}: {value!r} is not one of {list(CHOICES[key])}")
-        checked[key] = value
-    return PretrainConfig(**checked)
+    return _config_from_dict(PretrainConfig, values, CHOICES)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> PretrainConfig:
@@ -129,20 +116,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Pr
         path: YAML file of ``PretrainConfig`` keys (None = the defaults).
         overrides: ``["key=value", ...]`` applied after the file.
     """
-    values = dict((yaml.safe_load(Path(path).read_text()) if path else None) or {})
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep:
-            raise ValueError(f"override {item!r} is not key=value")
-        values[key.strip()] = yaml.safe_load(text)
-    return config_from_dict(values)
+    return load_recipe(PretrainConfig, path, overrides, CHOICES)
 
 
 def stage_hash(cfg: PretrainConfig, keys: tuple[str, ...] | None = None) -> str:
     """Short hash of the config keys a stage depends on (all non-runtime keys when None)."""
-    values = dataclasses.asdict(cfg)
-    keys = keys or tuple(k for k in values if k not in RUNTIME_KEYS)
-    return hashlib.sha1(json.dumps({k: values[k] for k in keys}, sort_keys=True).encode()).hexdigest()[:10]
+    return config_hash(dataclasses.asdict(cfg), keys, exclude=RUNTIME_KEYS)
 
 
 # --- stages 1-3: corpus, tokenizer, tokens ----------------------------------
@@ -234,22 +213,9 @@ def build_model(cfg: PretrainConfig, tokenizer) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def make_optimizer(model: torch.nn.Module, cfg: PretrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on norms)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(0.9, 0.95))
-
-
 def learning_rate(cfg: PretrainConfig, step: int, progress: float) -> float:
     """Linear warmup over steps, then cosine decay over ``progress`` in [0, 1]."""
-    if step < cfg.warmup_steps:
-        return cfg.learning_rate * (step + 1) / cfg.warmup_steps
-    cosine = 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-    return cfg.learning_rate * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
+    return cosine_lr(step, progress, cfg.learning_rate, cfg.warmup_steps, cfg.min_lr_ratio)
 
 
 def sample_batch(stream: torch.Tensor, batch_size: int, block_size: int) -> torch.Tensor:
@@ -283,41 +249,6 @@ def heldout_loss(model, streams: dict[str, torch.Tensor], block_size: int, max_t
         losses[domain] = {"nats_per_token": total / max(count, 1), "tokens": count}
     model.train(was_training)
     return losses
-
-
-class TrainState:
-    """Step, elapsed time and the loss curve, saved with each checkpoint."""
-
-    def __init__(self):
-        self.step, self.elapsed_s, self.curve = 0, 0.0, []
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "elapsed_s": self.elapsed_s, "curve": self.curve}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step, self.elapsed_s, self.curve = state["step"], state["elapsed_s"], list(state["curve"])
-
-    def progress(self, cfg: PretrainConfig) -> float:
-        """Fraction of the run done: by steps, or by wall clock when ``max_minutes`` runs out first."""
-        by_time = self.elapsed_s / (60.0 * cfg.max_minutes) if cfg.max_minutes > 0 else 0.0
-        return max(self.step / cfg.max_steps, by_time)
-
-
-def save_checkpoint(accelerator: Accelerator, run_dir: Path, state: TrainState, keep: int) -> None:
-    """``save_state`` to ``checkpoints/step_<n>`` and delete all but the newest ``keep``."""
-    accelerator.save_state(str(run_dir / "checkpoints" / f"step_{state.step:07d}"))
-    if accelerator.is_main_process:
-        for old in sorted((run_dir / "checkpoints").glob("step_*"))[:-keep]:
-            shutil.rmtree(old)
-        (run_dir / "loss_curve.json").write_text(json.dumps(state.curve))
-
-
-def resume(accelerator: Accelerator, run_dir: Path, state: TrainState) -> None:
-    """``load_state`` from the newest checkpoint of the run, if any."""
-    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
-    if checkpoints:
-        accelerator.load_state(str(checkpoints[-1]))
-        accelerator.print(f"resumed from {checkpoints[-1].name} (step {state.step})")
 
 
 def train_step(accelerator: Accelerator, model, optimizer, batch: torch.Tensor, cfg: PretrainConfig) -> float:
@@ -360,7 +291,7 @@ def train(cfg: PretrainConfig, tokens_dir: Path, tokenizer, run_dir: Path, stop_
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
     set_seed(cfg.seed, device_specific=True)  # each process draws its own batches
     model = build_model(cfg, tokenizer)
-    model, optimizer = accelerator.prepare(model, make_optimizer(model, cfg))
+    model, optimizer = accelerator.prepare(model, make_adamw(model, cfg.learning_rate, cfg.weight_decay))
     state = TrainState()
     accelerator.register_for_checkpointing(state)
     resume(accelerator, run_dir, state)
@@ -375,9 +306,9 @@ def train(cfg: PretrainConfig, tokens_dir: Path, tokenizer, run_dir: Path, stop_
     )
     started, losses = time.time() - state.elapsed_s, []
     try:
-        while state.progress(cfg) < 1.0:
+        while state.progress(cfg.max_steps, cfg.max_minutes) < 1.0:
             # data
-            lr = learning_rate(cfg, state.step, state.progress(cfg))
+            lr = learning_rate(cfg, state.step, state.progress(cfg.max_steps, cfg.max_minutes))
             for group in optimizer.param_groups:
                 group["lr"] = lr
             batch = sample_batch(train_stream, cfg.batch_size, cfg.block_size).to(accelerator.device)
@@ -386,7 +317,7 @@ def train(cfg: PretrainConfig, tokens_dir: Path, tokenizer, run_dir: Path, stop_
             state.step, state.elapsed_s = state.step + 1, time.time() - started
             bar.update(1)
             # log
-            done = state.progress(cfg) >= 1.0
+            done = state.progress(cfg.max_steps, cfg.max_minutes) >= 1.0
             if state.step % cfg.log_every == 0 or done:
                 point = log_point(state, cfg, losses, lr)
                 bar.set_postfix(loss=f"{point['train_loss']:.3f}", tok_s=point["tokens_per_s"])
@@ -409,27 +340,6 @@ def train(cfg: PretrainConfig, tokens_dir: Path, tokenizer, run_dir: Path, stop_
 # --- export ------------------------------------------------------------------
 
 
-def plot_curve(curve: list[dict], path: Path) -> None:
-    """Train and held-out loss against tokens seen, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    train = [p for p in curve if "train_loss" in p]
-    ax.plot([p["tokens"] for p in train], [p["train_loss"] for p in train], label="train", lw=1)
-    evals = [p for p in curve if "heldout_loss" in p]
-    for domain in evals[0]["heldout_loss"] if evals else []:
-        ax.plot([p["tokens"] for p in evals], [p["heldout_loss"][domain] for p in evals], "o-", ms=3, label=f"held-out {domain}")
-    ax.set(xlabel="training tokens", ylabel="loss (nats / token)", title="demo target pretraining")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def export(cfg: PretrainConfig, model, tokenizer, curve: list[dict], tokens_dir: Path) -> Path:
     """Write the shipped directory and measure held-out loss on the saved weights, loaded in fp32."""
     out = Path(cfg.output_dir)
@@ -441,7 +351,7 @@ def export(cfg: PretrainConfig, model, tokenizer, curve: list[dict], tokens_dir:
     tokenizer.save_pretrained(out)
     (out / "training_config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     (out / "loss_curve.json").write_text(json.dumps(curve))
-    plot_curve(curve, out / "loss_curve.png")
+    plot_curve(curve, out / "loss_curve.png", title="demo target pretraining")
     shipped = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     losses = heldout_loss(shipped, load_streams(tokens_dir, "heldout"), cfg.block_size)
     (out / "heldout_loss.json").write_text(json.dumps(losses, indent=1) + "\n")
@@ -495,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="key=value overrides of recipe keys")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # kill = Ctrl-C: checkpoint, then exit
+    sigterm_as_interrupt()  # kill = Ctrl-C: checkpoint, then exit
     out = run(cfg)
     if out is not None:
         print(json.dumps(json.loads((out / "heldout_loss.json").read_text())))
