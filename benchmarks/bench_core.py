@@ -7,9 +7,11 @@ on prompts whose continuation repeats the context (the model's own greedy output
 put in the prompt, so a faithful copy is what the model does next). Prints b/a and d/c
 and checks that every output is token-identical to (a).
 
-    python benchmarks/bench_core.py [--target DIR] [--prompts 8] [--new-tokens 128]
+    python benchmarks/bench_core.py [--target DIR [--domain FILE.jsonl]] [--prompts 8] [--new-tokens 128]
 
-Without --target a random Llama (8 layers, hidden 256) is used.
+Without --target a random Llama (8 layers, hidden 256) is used. With --domain the
+prompts come from a domain file (e.g. the demo's copy domain, written by
+``draftsmith demo`` to outputs/demo/domains/copy.jsonl) instead.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -64,6 +67,7 @@ def timed(fn) -> tuple[list[int], float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", help="a save_pretrained model directory (default: random 8-layer Llama)")
+    parser.add_argument("--domain", help="JSONL domain file of prompts (needs --target for its tokenizer)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-length", type=int, default=96)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -77,7 +81,16 @@ def main() -> None:
     model = build_model(args)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    prompts = copy_prompts(model, args.prompts, args.prompt_length)
+    if args.domain:
+        from transformers import AutoTokenizer
+
+        from verify.domains import load_domain
+
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+        name = Path(args.domain).stem
+        prompts = [p.input_ids for p in load_domain(name, args.domain, tokenizer, args.prompts, args.prompt_length)]
+    else:
+        prompts = copy_prompts(model, args.prompts, args.prompt_length)
     n = args.new_tokens
     plain = SpeculativeDecoder(model)
     ngram = SpeculativeDecoder(model, load_proposer({"type": "ngram", "min_n": 1, "max_n": args.max_n, "k": args.k}))
@@ -106,6 +119,7 @@ def main() -> None:
     tau = statistics.median(ngram.generate(ids, max_new_tokens=n).stats.tau for ids in prompts)
     result = {
         "model": args.target or "random-llama-8x256",
+        "domain": args.domain,
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "threads": args.threads,
         "prompts": args.prompts,

@@ -171,6 +171,24 @@ def build_methods(config: EvalConfig, model, tokenizer) -> dict[str, Callable]:
     return methods
 
 
+def _record(prompt: Prompt, method: str, index: int, new_tokens: int, forwards: int, accept_lengths, wall: float, ttft) -> Record:
+    return Record(
+        domain=prompt.domain,
+        method=method,
+        prompt_index=index,
+        source=prompt.source,
+        prompt_tokens=prompt.input_ids.shape[1],
+        new_tokens=new_tokens,
+        target_forwards=forwards,
+        accept_lengths=list(accept_lengths),
+        wall_time=wall,
+        ttft=ttft,
+        tokens_per_s=new_tokens / wall,
+        tau=new_tokens / max(forwards, 1),
+        identical_to_plain=None,
+    )
+
+
 def _ours(decoder: SpeculativeDecoder, name: str, config: EvalConfig, tokenizer) -> Callable:
     def run(prompt: Prompt, index: int):
         result = decoder.generate(
@@ -183,21 +201,7 @@ def _ours(decoder: SpeculativeDecoder, name: str, config: EvalConfig, tokenizer)
             eos_token_id=tokenizer.eos_token_id,
         )
         s = result.stats
-        record = Record(
-            prompt.domain,
-            name,
-            index,
-            prompt.source,
-            prompt.input_ids.shape[1],
-            s.new_tokens,
-            s.target_forwards,
-            s.accept_lengths,
-            s.total_time,
-            s.ttft,
-            s.tokens_per_second,
-            s.tau,
-            None,
-        )
+        record = _record(prompt, name, index, s.new_tokens, s.target_forwards, s.accept_lengths, s.total_time, s.ttft)
         return result.new_tokens, record, s
 
     return run
@@ -235,22 +239,7 @@ def _hf(model, counter: _ForwardCounter, name: str, config: EvalConfig, tokenize
         )
         wall = time.perf_counter() - start
         tokens = out[0, prompt.input_ids.shape[1] :].tolist()
-        forwards = counter.calls - before
-        record = Record(
-            prompt.domain,
-            name,
-            index,
-            prompt.source,
-            prompt.input_ids.shape[1],
-            len(tokens),
-            forwards,
-            [],
-            wall,
-            None,
-            len(tokens) / wall,
-            len(tokens) / max(forwards, 1),
-            None,
-        )
+        record = _record(prompt, name, index, len(tokens), counter.calls - before, [], wall, None)
         return tokens, record, None
 
     return run
