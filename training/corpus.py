@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 DOMAINS = ("code", "prose")
 SPLITS = ("train", "heldout")
 HELDOUT_MOD = 20
@@ -265,7 +267,8 @@ def collect_domain(
         heldout_mod: a file is held out when ``sha1(path) % heldout_mod == 0``.
     """
     seen, kept, total = set(), [], 0
-    for candidate in sorted(candidates, key=lambda c: (stable_hash("order:" + c.path), c.path)):
+    ordered = sorted(candidates, key=lambda c: (stable_hash("order:" + c.path), c.path))
+    for candidate in tqdm(ordered, desc=f"corpus ({domain})", unit="file", leave=False):
         text = candidate.read()
         key = hashlib.sha1(text.strip().encode("utf-8")).hexdigest()
         if not MIN_DOC_CHARS <= len(text) <= max_doc_chars or key in seen:

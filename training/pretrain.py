@@ -174,14 +174,13 @@ def build_tokens(cfg: PretrainConfig, corpus_dir: Path, tokenizer_dir: Path, wor
     assert len(tokenizer) < 2**16, "token streams are stored as uint16"
     out.mkdir(parents=True, exist_ok=True)
     meta = {}
-    for domain in DOMAINS:
-        for split in SPLITS:
-            texts = [doc.text for doc in read_documents(corpus_dir, domain, split)]
-            ids = [e.ids for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
-            bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-            stream = np.fromiter((t for doc in ids for t in (bos, *doc, eos)), dtype=np.uint16)
-            np.save(out / f"{domain}.{split}.npy", stream)
-            meta[f"{domain}.{split}"] = {"tokens": len(stream), "chars": sum(map(len, texts))}
+    for domain, split in tqdm([(d, s) for d in DOMAINS for s in SPLITS], desc="tokenize", unit="part", leave=False):
+        texts = [doc.text for doc in read_documents(corpus_dir, domain, split)]
+        ids = [e.ids for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+        bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+        stream = np.fromiter((t for doc in ids for t in (bos, *doc, eos)), dtype=np.uint16)
+        np.save(out / f"{domain}.{split}.npy", stream)
+        meta[f"{domain}.{split}"] = {"tokens": len(stream), "chars": sum(map(len, texts))}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     return out
 

@@ -121,6 +121,11 @@ def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
         torch.set_num_threads(config.threads)
     model, tokenizer = load_target(config.target)
     max_positions = getattr(model.config, "max_position_embeddings", None)
+    if max_positions is not None and config.prompt_tokens + config.max_new_tokens > max_positions:
+        raise ValueError(
+            f"prompt_tokens={config.prompt_tokens} + max_new_tokens={config.max_new_tokens} exceeds the target's context "
+            f"of {max_positions} positions (max_position_embeddings); lower one of them"
+        )
     prompts = [
         p
         for name, path in config.domains.items()

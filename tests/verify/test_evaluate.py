@@ -99,6 +99,9 @@ def test_bad_configs_and_domain_files(tiny_target_dir, tmp_path):
     good.write_text('{"prompt": "hello"}\n')
     with pytest.raises(ValueError, match="leaves no room in the model's context"):
         load_domain("code", good, tok, 4, 600, max_positions=512)
+    too_long = EvalConfig(target=str(tiny_target_dir), domains={"code": str(good)}, prompt_tokens=500, max_new_tokens=64)
+    with pytest.raises(ValueError, match="exceeds the target's context of 512 positions"):
+        evaluate(too_long, progress=False)
     config = EvalConfig(target=str(tmp_path), domains={"code": str(good)}, output_dir=str(tmp_path / "o"))
     with pytest.raises(FileNotFoundError, match="no config.json"):
         evaluate(config, progress=False)
