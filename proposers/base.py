@@ -7,6 +7,7 @@ Everything here is a frozen dataclass or a Protocol; proposers import only this 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -121,8 +122,13 @@ class Draft:
         return Draft(token_ids, torch.arange(-1, token_ids.shape[0] - 1), draft_probs)
 
     def is_chain(self) -> bool:
-        n = self.num_nodes
-        return bool(torch.equal(self.parents, torch.arange(-1, n - 1))) if n else True
+        """Whether node i's parent is i - 1 for every node (computed once per draft)."""
+        return self.parent_list == list(range(-1, self.num_nodes - 1))
+
+    @cached_property
+    def parent_list(self) -> list[int]:
+        """``parents`` as a Python list, converted once per draft (the verifier walks it)."""
+        return self.parents.tolist()
 
 
 _EMPTY_DRAFT = Draft(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))

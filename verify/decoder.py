@@ -148,7 +148,7 @@ def _depth(draft: Draft) -> int:
         return 0
     if draft.is_chain():
         return draft.num_nodes
-    return max(node_depths(draft.parents.tolist()))
+    return max(node_depths(draft.parent_list))
 
 
 def _extend(tokens: list[int], new_tokens: list[int], committed: list[int], max_new_tokens: int, eos: frozenset[int]) -> int:

@@ -79,7 +79,7 @@ class Target:
         if self._scored_chain:
             # A chain is plain causal attention: the model builds its own mask.
             return self._forward(input_ids)
-        parents = draft.parents.tolist()
+        parents = draft.parent_list
         mask = tree_attention_mask(parents, past, dtype=self.model.dtype).to(device)
         return self._forward(input_ids, attention_mask=mask, position_ids=tree_position_ids(parents, past).to(device))
 

@@ -19,19 +19,16 @@ def validate_draft(draft: Draft, vocab_size: int) -> None:
         raise ValueError(f"draft token_ids and parents must both be [n]; got {tuple(tokens.shape)} and {tuple(parents.shape)}")
     if tokens.dtype != torch.long or parents.dtype != torch.long:
         raise ValueError(f"draft token_ids and parents must be torch.long; got {tokens.dtype} and {parents.dtype}")
-    n = tokens.shape[0]
-    if n == 0:
-        return
-    bad = ((parents < -1) | (parents >= torch.arange(n))).nonzero()
-    if len(bad):
-        i = int(bad[0])
-        raise ValueError(
-            f"draft node {i} has parent {int(parents[i])}: a parent must be -1 (the last committed token) or an earlier node in 0..{i - 1}"
-        )
-    bad = ((tokens < 0) | (tokens >= vocab_size)).nonzero()
-    if len(bad):
-        i = int(bad[0])
-        raise ValueError(f"draft node {i} has token id {int(tokens[i])}, outside the vocabulary [0, {vocab_size})")
+    parent_list = draft.parent_list
+    for i, p in enumerate(parent_list):  # a Python loop: drafts are small, and tensor ops cost more per call
+        if not -1 <= p < i:
+            raise ValueError(
+                f"draft node {i} has parent {p}: a parent must be -1 (the last committed token) or an earlier node in 0..{i - 1}"
+            )
+    token_list = tokens.tolist()
+    if token_list and not (0 <= min(token_list) and max(token_list) < vocab_size):
+        i = next(i for i, t in enumerate(token_list) if not 0 <= t < vocab_size)
+        raise ValueError(f"draft node {i} has token id {token_list[i]}, outside the vocabulary [0, {vocab_size})")
     if draft.draft_probs is not None:
         _validate_probs(draft.draft_probs, tokens, vocab_size)
 
@@ -118,7 +115,7 @@ def children_lists(parents: list[int]) -> list[list[int]]:
 
 def prune_depth(draft: Draft, max_depth: int) -> Draft:
     """Drop the nodes deeper than ``max_depth``, renumbering the parents of those kept."""
-    parents = draft.parents.tolist()
+    parents = draft.parent_list
     depths = node_depths(parents)
     if not depths or max(depths) <= max_depth:
         return draft
