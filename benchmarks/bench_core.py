@@ -80,7 +80,8 @@ def main() -> None:
 
     model = build_model(args)
     model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = 0
     if args.domain:
         from transformers import AutoTokenizer
 
@@ -96,7 +97,9 @@ def main() -> None:
     ngram = SpeculativeDecoder(model, load_proposer({"type": "ngram", "min_n": 1, "max_n": args.max_n, "k": args.k}))
 
     def hf(ids, **kw):
-        return lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)[0, ids.shape[1] :].tolist()
+        # an explicit mask: without one, transformers masks every prompt token equal to pad_token_id
+        mask = torch.ones_like(ids)
+        return lambda: model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, **kw)[0, ids.shape[1] :].tolist()
 
     runners = {
         "a_hf_generate": lambda ids: hf(ids),

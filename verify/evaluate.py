@@ -237,6 +237,7 @@ def _hf(model, counter: _ForwardCounter, name: str, config: EvalConfig, tokenize
         start = time.perf_counter()
         out = model.generate(
             prompt.input_ids,
+            attention_mask=torch.ones_like(prompt.input_ids),  # else prompt tokens equal to the pad id are masked
             max_new_tokens=config.max_new_tokens,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
