@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -59,6 +60,7 @@ def plot_acceptance(rows: list[dict], path: Path) -> None:
         if acc:
             ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{r['domain']} / {r['method']}")
     ax.set_xlabel("draft depth")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1.05)
     ax.set_title("acceptance by draft depth")
