@@ -111,5 +111,8 @@ def run_demo(quick: bool = False, output_dir: str = "outputs/demo", num_prompts:
         prompt_tokens=prompt_tokens,
         max_new_tokens=max_new_tokens,
         output_dir=output_dir,
+        # The demo models are tiny: one intra-op thread is as fast, and two thrash
+        # whenever anything else runs on the machine.
+        threads=1,
     )
     return evaluate(config)
