@@ -29,7 +29,9 @@ def test_pretrain_recipes_resolve(path):
 
 
 def test_every_recipe_header_shows_its_command():
-    for path in RECIPES.rglob("*.yaml"):
+    written_by_hand = [p for p in RECIPES.rglob("*.yaml") if not (p.parent / "config.json").exists()]  # not a model export
+    assert written_by_hand
+    for path in written_by_hand:
         head = path.read_text().splitlines()[:12]
         assert any(
             ("draftsmith " in line or "accelerate launch" in line or "python -m" in line) for line in head if line.startswith("#")

@@ -1,0 +1,321 @@
+"""Draft-LM distillation: losses, data, the frozen target, resume, LoRA, recipe errors.
+
+Every run distils a 1-layer draft toward a 2-layer random target (vocabulary 300, hidden
+32) on a few kB of text, for a handful of steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+import training.train as train_module
+from proposers import load_proposer
+from training.losses import forward_kl, masked_mean, reverse_kl, top1_agreement, tvd
+from training.tokenizer import build_tokenizer
+from training.train import build_student, load_config, render_chat, run, self_distill
+
+REPO = Path(__file__).resolve().parents[2]
+TEXT = "".join(
+    f"def f{i}(x):\n    return x * {i} + {i % 7}\n\nThe fox number {i} jumps over the lazy dog {i % 5} times.\n" for i in range(60)
+)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama (peaked logits) with the project's chat-template tokenizer, saved to disk."""
+    path = tmp_path_factory.mktemp("target")
+    tokenizer = build_tokenizer([TEXT] * 4, vocab_size=300, model_max_length=64, out_dir=path)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # a peaked target: there is something to learn
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "train.txt"
+    path.write_text(TEXT)
+    return path
+
+
+def tiny_overrides(target_dir: Path, text_file: Path, root: Path, *extra: str) -> list[str]:
+    return [
+        f"target={target_dir}",
+        f"output_dir={root / 'out'}",
+        f"run_dir={root / 'run'}",
+        f"data.train_files=[{text_file}]",
+        "data.eval_files=[]",
+        "data.block_size=32",
+        "student.init.num_layers=1",
+        "student.init.hidden_size=32",
+        "student.init.intermediate_size=64",
+        "student.init.num_heads=4",
+        "student.init.num_kv_heads=2",
+        "batch_size=4",
+        "learning_rate=0.01",
+        "warmup_steps=2",
+        "log_every=1",
+        "checkpoint_every=100",
+        "threads=1",
+        *extra,
+    ]
+
+
+def tiny_config(target_dir, text_file, root, *extra):
+    return load_config(REPO / "recipes" / "distill_draft_full.yaml", tiny_overrides(target_dir, text_file, root, *extra))
+
+
+def train_losses(out: Path) -> list[float]:
+    return [p["train_loss"] for p in json.loads((out / "loss_curve.json").read_text()) if "train_loss" in p]
+
+
+# --- losses ------------------------------------------------------------------------
+
+
+def test_divergences_vanish_on_equal_distributions():
+    logits = torch.randn(2, 5, 11)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    for loss in (forward_kl, reverse_kl, tvd):
+        assert float(loss(logits, logits, mask)) == pytest.approx(0.0, abs=1e-6)
+        assert float(loss(logits, logits, mask, temperature=2.0)) == pytest.approx(0.0, abs=1e-6)
+    assert float(top1_agreement(logits, logits, mask)) == 1.0
+
+
+def test_divergences_match_hand_computed_values():
+    target_probs, draft_probs = torch.tensor([0.5, 0.5]), torch.tensor([0.9, 0.1])
+    target_logits, draft_logits = target_probs.log().view(1, 1, 2), draft_probs.log().view(1, 1, 2)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    expected_forward = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+    expected_reverse = 0.9 * math.log(0.9 / 0.5) + 0.1 * math.log(0.1 / 0.5)
+    assert float(forward_kl(draft_logits, target_logits, mask)) == pytest.approx(expected_forward, rel=1e-5)
+    assert float(reverse_kl(draft_logits, target_logits, mask)) == pytest.approx(expected_reverse, rel=1e-5)
+    assert float(tvd(draft_logits, target_logits, mask)) == pytest.approx(0.4, rel=1e-5)
+    # temperature 2 takes square roots of the probabilities before renormalising
+    soft = draft_probs.sqrt() / draft_probs.sqrt().sum()
+    assert float(tvd(draft_logits, target_logits, mask, temperature=2.0)) == pytest.approx(float((soft[0] - 0.5).abs()), rel=1e-5)
+
+
+def test_masked_positions_do_not_count():
+    target_logits = torch.randn(1, 3, 7)
+    draft_logits = target_logits.clone()
+    draft_logits[0, 1] = torch.randn(7) * 5  # differs only at a masked position
+    mask = torch.tensor([[True, False, True]])
+    assert float(forward_kl(draft_logits, target_logits, mask)) == pytest.approx(0.0, abs=1e-6)
+    assert float(masked_mean(torch.tensor([[1.0, 100.0, 3.0]]), mask)) == 2.0
+    assert float(masked_mean(torch.ones(1, 3), torch.zeros(1, 3, dtype=torch.bool))) == 0.0
+
+
+def test_forward_kl_gradient_pulls_draft_toward_target():
+    target_logits = torch.tensor([[[2.0, 0.0, -1.0]]])
+    draft_logits = torch.zeros(1, 1, 3, requires_grad=True)
+    forward_kl(draft_logits, target_logits, torch.ones(1, 1, dtype=torch.bool)).backward()
+    # d KL / d draft_logits = draft_probs - target_probs
+    expected = torch.full((3,), 1 / 3) - torch.softmax(target_logits[0, 0], -1)
+    torch.testing.assert_close(draft_logits.grad[0, 0], expected)
+
+
+# --- data ----------------------------------------------------------------------------
+
+
+def test_chat_loss_mask_covers_assistant_tokens_only(target_dir, tiny_target_dir):
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    conversation = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "def f(x):"},
+        {"role": "assistant", "content": "return x"},
+        {"role": "user", "content": "the fox"},
+        {"role": "assistant", "content": "jumps"},
+    ]
+    rows = render_chat(Dataset.from_list([{"messages": conversation}]), tokenizer, "messages", block_size=64)
+    ids, mask = rows[0]["input_ids"], rows[0]["loss_mask"]
+    assert len(ids) == len(mask) and mask[-1] == 0
+    trained = [ids[t + 1] for t in range(len(ids) - 1) if mask[t]]  # the tokens whose prediction is trained
+    assert tokenizer.decode(trained) == "return x<|end|>jumps<|end|>"
+    # a template without {% generation %} markers cannot say which tokens are the assistant's
+    plain = AutoTokenizer.from_pretrained(tiny_target_dir)
+    with pytest.raises(ValueError, match="generation"):
+        render_chat(Dataset.from_list([{"messages": conversation}]), plain, "messages", block_size=64)
+
+
+def test_self_distillation_trains_on_target_continuations_and_caches_them(target_dir, text_file, tmp_path, monkeypatch):
+    cfg = tiny_config(
+        target_dir,
+        text_file,
+        tmp_path,
+        "data.self_distill.enabled=true",
+        "data.self_distill.num_prompts=3",
+        "data.self_distill.prompt_tokens=8",
+        "data.self_distill.max_new_tokens=6",
+        f"data.self_distill.cache_dir={tmp_path / 'sd'}",
+    )
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    rows = train_module.read_files(cfg.data.train_files, tmp_path / "ds")
+    first = self_distill(cfg, cfg.data.train_files, rows, tokenizer, target)
+    assert len(first) == 3
+    for row in first:
+        ids, mask = row["input_ids"], row["loss_mask"]
+        prompt, new = ids[:8], ids[8:]
+        assert mask == [0] * 7 + [1] * len(new) + [0]
+        greedy = target.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+        assert new == greedy[0, 8:].tolist()[: len(new)]
+    # a second run reuses the cache: the target is not asked again
+    monkeypatch.setattr(target, "generate", lambda *a, **k: pytest.fail("regenerated despite the cache"))
+    again = self_distill(cfg, cfg.data.train_files, rows, tokenizer, target)
+    assert again["input_ids"] == first["input_ids"]
+
+
+# --- the loop ------------------------------------------------------------------------
+
+
+def test_distillation_lowers_kl_keeps_target_frozen_and_loads_as_a_proposer(target_dir, text_file, tmp_path, monkeypatch):
+    used = {}
+    load = train_module.load_frozen_target
+
+    def spy(*args, **kwargs):
+        used["target"], tokenizer = load(*args, **kwargs)
+        return used["target"], tokenizer
+
+    monkeypatch.setattr(train_module, "load_frozen_target", spy)
+    cfg = tiny_config(target_dir, text_file, tmp_path, "max_steps=25", f"data.eval_files=[{text_file}]", "eval_batches=4")
+    out = run(cfg)
+    metrics = json.loads((out / "heldout_metrics.json").read_text())
+    assert metrics["end"]["forward_kl"] < 0.7 * metrics["start"]["forward_kl"]
+    losses = train_losses(out)
+    assert sum(losses[-5:]) < 0.7 * sum(losses[:5])
+    # the target that took part is bit-identical to the file it came from, and never trainable
+    original = load_file(target_dir / "model.safetensors")
+    state = used["target"].state_dict()
+    assert all(torch.equal(state[name], tensor) for name, tensor in original.items())
+    assert not any(p.requires_grad for p in used["target"].parameters())
+    # every draft tensor moved away from its initial value
+    torch.manual_seed(cfg.seed)
+    initial = build_student(cfg, used["target"], AutoTokenizer.from_pretrained(target_dir)).state_dict()
+    trained = load_file(out / "model.safetensors")
+    assert trained and all(not torch.equal(initial[name], tensor) for name, tensor in trained.items())
+    # a plain save_pretrained directory that the draft-model proposer loads
+    written = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "training_config.yaml", "loss_curve.png"} <= written
+    proposer = load_proposer({"type": "draft_model", "model": str(out)}, target=used["target"])
+    assert proposer.vocab_size == used["target"].config.vocab_size
+
+
+def test_resume_after_interrupt_reproduces_the_uninterrupted_run(target_dir, text_file, tmp_path, monkeypatch):
+    # 81 blocks make 27 batches of 3 per epoch; with 2 micro-batches per step, step 14 straddles
+    # the epoch end, and the resumed run starts one batch into the second epoch
+    extra = ("max_steps=16", "gradient_accumulation_steps=2", "batch_size=3")
+    seen, step = [], train_module.distill_step
+    monkeypatch.setattr(
+        train_module, "distill_step", lambda model, target, batch, *a: seen.append(batch["input_ids"]) or step(model, target, batch, *a)
+    )
+    whole = run(tiny_config(target_dir, text_file, tmp_path / "whole", *extra))
+    monkeypatch.undo()
+    blocks = [tuple(row.tolist()) for batch in seen for row in batch]
+    assert len(blocks) == 16 * 2 * 3 and len(set(blocks[:81])) == 81  # the first epoch: every block once
+    assert not any(torch.equal(a, b) for a, b in zip(seen, seen[1:], strict=False))  # no batch replayed at the epoch end
+    cfg = tiny_config(target_dir, text_file, tmp_path / "split", *extra)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, interrupt_after_steps=14)
+    saved = sorted(p.name for p in (tmp_path / "split" / "run" / "checkpoints").iterdir())
+    assert saved == ["step_0000014"]  # written by the interrupt handler, complete (no temporary left)
+    before = json.loads((tmp_path / "split" / "run" / "loss_curve.json").read_text())
+    resumed = run(cfg)
+    after = json.loads((resumed / "loss_curve.json").read_text())
+    assert len(before) == 14 and after[:14] == before  # resumed, not restarted: the points (timings too) come from the checkpoint
+    expected, actual = train_losses(whole), train_losses(resumed)
+    assert len(actual) == len(expected) == 16
+    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    for name, tensor in load_file(whole / "model.safetensors").items():
+        torch.testing.assert_close(load_file(resumed / "model.safetensors")[name], tensor, rtol=1e-5, atol=1e-6)
+    # the same run dir with another recipe is refused
+    with pytest.raises(ValueError, match=r"different recipe \(differing keys: \['learning_rate'\]\)"):
+        run(tiny_config(target_dir, text_file, tmp_path / "split", *extra, "learning_rate=0.02"))
+
+
+def test_lora_trains_adapters_only_and_merges_into_a_plain_checkpoint(target_dir, text_file, tmp_path):
+    # the base: a fresh 1-layer student saved with the target's tokenizer
+    base_dir = tmp_path / "base"
+    cfg = tiny_config(target_dir, text_file, tmp_path / "lora")
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    torch.manual_seed(1)
+    build_student(cfg, target, AutoTokenizer.from_pretrained(target_dir)).save_pretrained(base_dir)
+    AutoTokenizer.from_pretrained(target_dir).save_pretrained(base_dir)
+    lora = ("lora.enabled=true", "lora.r=4", "lora.merge=true", "lora.target_modules=[q_proj,v_proj,down_proj]", "max_steps=8")
+    out = run(tiny_config(target_dir, text_file, tmp_path / "lora", f"student.pretrained={base_dir}", *lora))
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert (out / "adapter" / "adapter_config.json").is_file() and all("lora_" in name for name in adapter)
+    base, merged = load_file(base_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    assert base.keys() == merged.keys()
+    scale = 16 / 4  # alpha / r
+    for name, weight in base.items():
+        module = name.removesuffix(".weight")
+        if not module.endswith(("q_proj", "v_proj", "down_proj")):
+            assert torch.equal(merged[name], weight), name  # not adapted: untouched
+            continue
+        a = adapter[f"base_model.model.{module}.lora_A.weight"]
+        b = adapter[f"base_model.model.{module}.lora_B.weight"]
+        assert b.abs().sum() > 0, name  # the adapter trained
+        # merged = base + scale * B @ A: the base weight under the adapter never changed
+        torch.testing.assert_close(merged[name], weight + scale * b @ a, rtol=1e-5, atol=1e-6)
+    assert AutoModelForCausalLM.from_pretrained(out).config.num_hidden_layers == 1
+
+
+# --- recipes and errors --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["distill_draft_full.yaml", "distill_draft_lora.yaml"])
+def test_shipped_recipes_resolve(name):
+    cfg = load_config(REPO / "recipes" / name)
+    assert cfg.kind == "draft_lm" and cfg.data.train_files
+
+
+def test_unknown_keys_and_bad_values_fail_with_the_valid_ones(tmp_path):
+    recipe = REPO / "recipes" / "distill_draft_full.yaml"
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['student.init.layers'\]; valid keys: .*student.init.num_layers"):
+        load_config(recipe, ["student.init.layers=2"])
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['lr'\]; valid keys: .*learning_rate"):
+        load_config(recipe, ["lr=0.1"])
+    with pytest.raises(ValueError, match=r"loss: 'kl' is not one of \['forward_kl', 'reverse_kl', 'tvd'\]"):
+        load_config(recipe, ["loss=kl"])
+    with pytest.raises(ValueError, match="batch_size: expected int"):
+        load_config(recipe, ["batch_size=eight"])
+    with pytest.raises(ValueError, match="lora.enabled needs student.pretrained"):
+        load_config(recipe, ["lora.enabled=true"])
+    assert load_config(recipe, ["learning_rate=1e-3", "student.init.num_layers=2"]).student.init.num_layers == 2
+
+
+def test_missing_data_file_is_named(target_dir, text_file, tmp_path):
+    missing = tmp_path / "nowhere.jsonl"
+    cfg = tiny_config(target_dir, text_file, tmp_path, f"data.train_files=[{text_file}, {missing}]")
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        run(cfg)
+
+
+def test_a_draft_bigger_than_the_target_warns(target_dir):
+    bigger = ["student.init.num_layers=4", "student.init.hidden_size=64", "student.init.copy_target_embeddings=false"]
+    cfg = load_config(REPO / "recipes" / "distill_draft_full.yaml", bigger)
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    with pytest.warns(UserWarning, match="more than the target"):
+        build_student(cfg, target, AutoTokenizer.from_pretrained(target_dir))
