@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
+from harness import hf_greedy, run_interleaved  # noqa: E402 (benchmarks/ is the script directory)
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from proposers import load_proposer
@@ -58,12 +58,6 @@ def copy_prompts(model, n: int, length: int, seed: int = 0) -> list[torch.Tensor
     return prompts
 
 
-def timed(fn) -> tuple[list[int], float]:
-    start = time.perf_counter()
-    tokens = fn()
-    return tokens, time.perf_counter() - start
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", help="a save_pretrained model directory (default: random 8-layer Llama)")
@@ -96,10 +90,7 @@ def main() -> None:
     plain = SpeculativeDecoder(model)
     ngram = SpeculativeDecoder(model, load_proposer({"type": "ngram", "min_n": 1, "max_n": args.max_n, "k": args.k}))
 
-    def hf(ids, **kw):
-        # an explicit mask: without one, transformers masks every prompt token equal to pad_token_id
-        mask = torch.ones_like(ids)
-        return lambda: model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, **kw)[0, ids.shape[1] :].tolist()
+    hf = hf_greedy(model, n)
 
     runners = {
         "a_hf_generate": lambda ids: hf(ids),
@@ -107,18 +98,7 @@ def main() -> None:
         "c_hf_prompt_lookup": lambda ids: hf(ids, prompt_lookup_num_tokens=args.k, max_matching_ngram_size=args.max_n),
         "d_ours_ngram": lambda ids: lambda: ngram.generate(ids, max_new_tokens=n).new_tokens,
     }
-    for fn in runners.values():  # warm-up
-        fn(prompts[0])()
-    speeds: dict[str, list[float]] = {name: [] for name in runners}
-    identical = {name: 0 for name in runners}
-    for ids in prompts:
-        reference = None
-        for name, fn in runners.items():  # interleaved, so drift in machine load hits all four alike
-            tokens, seconds = timed(fn(ids))
-            reference = tokens if reference is None else reference
-            identical[name] += tokens == reference
-            speeds[name].append(len(tokens) / seconds)
-    med = {name: statistics.median(v) for name, v in speeds.items()}
+    med, identical = run_interleaved(runners, prompts)
     tau = statistics.median(ngram.generate(ids, max_new_tokens=n).stats.tau for ids in prompts)
     result = {
         "model": args.target or "random-llama-8x256",

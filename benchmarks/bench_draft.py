@@ -24,10 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
+from harness import hf_greedy, run_interleaved  # noqa: E402 (benchmarks/ is the script directory)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from proposers import load_proposer
@@ -45,12 +45,6 @@ def load_prompts(args, tokenizer, max_positions: int) -> list[torch.Tensor]:
         print(f"domain files written: {sorted(built.values())}")
     per_domain = [load_domain(p.stem, p, tokenizer, args.prompts, args.prompt_tokens, max_positions) for p in paths]
     return [prompt.input_ids for group in zip(*per_domain, strict=False) for prompt in group]
-
-
-def timed(fn) -> tuple[list[int], float]:
-    start = time.perf_counter()
-    tokens = fn()
-    return tokens, time.perf_counter() - start
 
 
 def main() -> None:
@@ -83,10 +77,7 @@ def main() -> None:
     proposer = {"type": "draft_model", "model": args.draft, "k": args.k, "confidence_threshold": args.confidence_threshold or None}
     ours = SpeculativeDecoder(target, load_proposer(proposer, target=target))
 
-    def hf(ids, **kw):
-        # an explicit mask: without one, transformers masks every prompt token equal to pad_token_id
-        mask = torch.ones_like(ids)
-        return lambda: target.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, **kw)[0, ids.shape[1] :].tolist()
+    hf = hf_greedy(target, n)
 
     runners = {
         "a_hf_generate": lambda ids: hf(ids),
@@ -94,18 +85,7 @@ def main() -> None:
         "c_hf_assisted": lambda ids: hf(ids, assistant_model=draft),
         "d_ours_draft": lambda ids: lambda: ours.generate(ids, max_new_tokens=n).new_tokens,
     }
-    for fn in runners.values():  # warm-up
-        fn(prompts[0])()
-    speeds: dict[str, list[float]] = {name: [] for name in runners}
-    identical = {name: 0 for name in runners}
-    for ids in prompts:
-        reference = None
-        for name, fn in runners.items():  # interleaved, so drift in machine load hits all four alike
-            tokens, seconds = timed(fn(ids))
-            reference = tokens if reference is None else reference
-            identical[name] += tokens == reference
-            speeds[name].append(len(tokens) / seconds)
-    med = {name: statistics.median(v) for name, v in speeds.items()}
+    med, identical = run_interleaved(runners, prompts)
     taus = [ours.generate(ids, max_new_tokens=n).stats.tau for ids in prompts]
     ours_speedup = med["d_ours_draft"] / med["b_ours_plain"]
     hf_speedup = med["c_hf_assisted"] / med["a_hf_generate"]
