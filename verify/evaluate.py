@@ -164,7 +164,8 @@ def build_methods(config: EvalConfig, model, tokenizer) -> dict[str, Callable]:
         methods[name] = _ours(SpeculativeDecoder(model, proposer), name, config, tokenizer)
         if proposer_config.get("type") == "draft_model":
             drafts[name] = proposer.model
-    counter = _ForwardCounter(model)
+    # The hook costs every forward a Python call, ours included: only install it for peers.
+    counter = _ForwardCounter(model) if config.hf_prompt_lookup or (config.hf_assisted and drafts) else None
     if config.hf_prompt_lookup:
         lookup = dict(
             prompt_lookup_num_tokens=config.hf_prompt_lookup["num_tokens"], max_matching_ngram_size=config.hf_prompt_lookup["max_ngram"]

@@ -89,7 +89,8 @@ class Target:
         if self._scored_chain or accepted_nodes == list(range(len(accepted_nodes))):
             crop_cache(self.cache, past + 1 + len(accepted_nodes))
             return
-        keep = torch.tensor(list(range(past + 1)) + [past + 1 + i for i in accepted_nodes], device=self.model.device)
+        nodes = torch.tensor(accepted_nodes) + (past + 1)
+        keep = torch.cat([torch.arange(past + 1), nodes]).to(self.model.device)
         for layer in self.cache.layers:
             layer.keys = layer.keys.index_select(-2, keep)
             layer.values = layer.values.index_select(-2, keep)
