@@ -17,10 +17,12 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from .base import Draft, ProposeContext, SamplingParams, TargetFeatures, VerifyResult, crop_cache, logits_to_probs, output_vocab_size
+from .lean_forward import LeanForward
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 SAMPLED_TOKEN_IDS = 4096  # token strings compared between draft and target tokenizers
 MIN_SIBLING_MASS = 1e-6  # stop drawing siblings when less draft mass than this is left
+LEAN_MAX_ROWS = 16  # longer inputs (prompts) take the model's own forward and its causal kernel
 
 
 class DraftModelProposer:
@@ -38,6 +40,13 @@ class DraftModelProposer:
         confidence_threshold: stop extending a branch after a token whose draft
             probability is below this (None: always draft the full depth).
         target: the target model; when given, the vocabularies are checked against it.
+        lean_forward: call the draft's submodules directly during drafting when a probe
+            shows that this gives its own forward's logits (``proposers.lean_forward``);
+            False always calls ``model(...)``. Either way the draft probabilities are the
+            ones the tokens were drawn from, so the choice never changes what is lossless.
+
+    The cache keeps the KV of a chain's accepted draft tokens (``observe`` drops the rest),
+    so the next step feeds only the target's recovered or bonus token.
     """
 
     hidden_layers: tuple[int, ...] = ()
@@ -53,6 +62,7 @@ class DraftModelProposer:
         k_max: int = 8,
         confidence_threshold: float | None = None,
         target: nn.Module | None = None,
+        lean_forward: bool = True,
     ):
         _check_settings(k, tree_width, max_nodes, dynamic, k_min, k_max, confidence_threshold)
         if isinstance(model, (str, Path)):
@@ -65,10 +75,12 @@ class DraftModelProposer:
         self.k, self.tree_width, self.max_nodes = k, tree_width, max_nodes
         self.dynamic, self.k_min, self.k_max = dynamic, k_min, k_max
         self.confidence_threshold = confidence_threshold
+        self.lean = LeanForward.probe(self.model) if lean_forward else None
         self.depth = k  # the current draft depth; moves only when dynamic
         self.cache: DynamicCache | None = None
-        self.cached_tokens: list[int] = []  # committed tokens whose KV the cache holds, in order
+        self.cached_tokens: list[int] = []  # tokens whose KV the cache holds, in order (committed or a chain's guesses)
         self._last_depth = 0
+        self._committed: int | None = None  # committed tokens at the last propose
 
     @classmethod
     def from_config(
@@ -82,6 +94,7 @@ class DraftModelProposer:
         k_min: int = 1,
         k_max: int = 8,
         confidence_threshold: float | None = None,
+        lean_forward: bool = True,
     ) -> DraftModelProposer:
         """Build from a config mapping (``load_proposer``); ``model`` is a checkpoint directory."""
         # Explicit keywords, not **kwargs: load_proposer reads this signature to reject unknown keys.
@@ -97,6 +110,7 @@ class DraftModelProposer:
             k_max=k_max,
             confidence_threshold=confidence_threshold,
             target=target,
+            lean_forward=lean_forward,
         )
 
     @property
@@ -112,13 +126,17 @@ class DraftModelProposer:
         """
         self.cache = DynamicCache(config=self.model.config)
         self.cached_tokens = []
-        self.depth, self._last_depth = self.k, 0
+        self.depth, self._last_depth, self._committed = self.k, 0, None
         if prompt:
-            self._forward(list(prompt), logits_to_keep=1)
+            self._forward(list(prompt), last=1)
 
     @torch.inference_mode()
     def propose(self, context: ProposeContext) -> Draft:
-        """Catch the cache up with ``context.tokens``, draft, then roll the cache back to them."""
+        """Catch the cache up with ``context.tokens`` and draft.
+
+        A tree's nodes leave the cache before this returns; a chain's fed tokens stay until
+        ``observe`` keeps the accepted ones (they sit at their final positions already).
+        """
         assert context.tokens, "propose() needs at least one committed token"
         depth = min(self.depth, context.max_depth)
         if depth < 1:
@@ -127,12 +145,22 @@ class DraftModelProposer:
         root_logits = self._catch_up(context.tokens)
         try:
             draft, self._last_depth = self._draft_tree(root_logits, depth, context.sampling, context.generator)
-        finally:
-            self._crop(committed)  # draft tokens are guesses: their KV must not outlive this call
+        except BaseException:
+            self._crop(committed)
+            raise
+        if self.tree_width > 1:
+            self._crop(committed)  # tree nodes sit in the cache out of path order
+        self._committed = committed
         return draft
 
     def observe(self, result: VerifyResult, features: TargetFeatures | None) -> None:
-        """Adapt the draft depth (when dynamic); the cache catches up lazily in ``propose``."""
+        """Drop the KV of rejected guesses; adapt the draft depth (when dynamic).
+
+        The committed tokens themselves catch up lazily in ``propose``.
+        """
+        if self._committed is not None:
+            self._crop(self._committed + result.num_accepted)
+            self._committed = None
         drafted, self._last_depth = self._last_depth, 0
         if not self.dynamic or drafted == 0:
             return
@@ -153,12 +181,21 @@ class DraftModelProposer:
         while keep < limit and cached[keep] == tokens[keep]:
             keep += 1
         self._crop(keep)
-        return self._forward(tokens[keep:], logits_to_keep=1)[-1]
+        return self._forward(tokens[keep:], last=1)[-1]
 
-    def _forward(self, tokens: list[int], **kwargs) -> torch.Tensor:
-        """Run committed ``tokens`` through the draft, extending the cache; return float logits ``[rows, vocab]``."""
-        input_ids = torch.tensor([tokens], device=self.model.device)
-        logits = self.model(input_ids, cache=self.cache, use_cache=True, **kwargs).logits[0]
+    def _forward(self, tokens: list[int], last: int = 0) -> torch.Tensor:
+        """Run ``tokens`` (continuing ``cached_tokens``) through the draft, extending the cache.
+
+        Returns float logits of the last ``last`` rows (0: all), ``[rows, vocab]``.
+        """
+        device = self.model.device
+        input_ids = torch.tensor([tokens], device=device)
+        if self.lean is not None and len(tokens) <= LEAN_MAX_ROWS:
+            start = len(self.cached_tokens)
+            positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
+            logits = self.lean(input_ids, self.cache, positions, last=last)
+        else:
+            logits = self.model(input_ids, cache=self.cache, use_cache=True, logits_to_keep=last).logits[0]
         self.cached_tokens.extend(tokens)
         return logits.float().cpu()  # the request's generator lives on the CPU
 
@@ -198,16 +235,20 @@ class DraftModelProposer:
 
     def _score_nodes(self, tree: _Tree, nodes: list[int]) -> torch.Tensor:
         """Feed ``nodes`` (whose ancestors are cached) in one forward; return their logits ``[len(nodes), vocab]``."""
+        if self.tree_width == 1:  # a chain: the node continues the cached tokens
+            return self._forward([tree.tokens[n] for n in nodes])
         device = self.model.device
         input_ids = torch.tensor([[tree.tokens[n] for n in nodes]], device=device)
         past = self.cache_len
         for row, node in enumerate(nodes):
             tree.slot[node] = past + row
-        if self.tree_width == 1:  # a chain: plain causal attention, the model builds its own mask
-            return self.model(input_ids, cache=self.cache, use_cache=True).logits[0].float().cpu()
         mask, position_ids = _tree_mask(tree, nodes, len(self.cached_tokens), past, self.model.dtype)
-        out = self.model(input_ids, cache=self.cache, use_cache=True, attention_mask=mask.to(device), position_ids=position_ids.to(device))
-        return out.logits[0].float().cpu()
+        mask, position_ids = mask.to(device), position_ids.to(device)
+        if self.lean is not None:
+            logits = self.lean(input_ids, self.cache, position_ids, mask)
+        else:
+            logits = self.model(input_ids, cache=self.cache, use_cache=True, attention_mask=mask, position_ids=position_ids).logits[0]
+        return logits.float().cpu()
 
 
 def _tree_mask(tree: _Tree, nodes: list[int], committed: int, past: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,8 +52,12 @@ def reference(model, prompt):
 
 @pytest.fixture(scope="module")
 def drafts(model, make_llama):
-    """A different (smaller) random llama, and an exact copy of the target."""
-    return {"other": make_llama(hidden_size=16, seed=5), "copy": copy.deepcopy(model)}
+    """A different (smaller) random llama, an exact copy of the target, and a noisy copy that agrees often, not always."""
+    near = copy.deepcopy(model)
+    with torch.no_grad():
+        head = near.lm_head.weight
+        head.add_(torch.randn(head.shape, generator=torch.Generator().manual_seed(0)) * head.std() * 0.5)
+    return {"other": make_llama(hidden_size=16, seed=5), "copy": copy.deepcopy(model), "near": near}
 
 
 CONFIGS = {
@@ -64,18 +68,23 @@ CONFIGS = {
     "dynamic_tree": {"tree_width": 2, "dynamic": True},
     "confident_chain": {"confidence_threshold": 0.5},
     "confident_tree": {"tree_width": 2, "confidence_threshold": 0.5},
+    "wrapper_chain": {"lean_forward": False},  # the model's own forward instead of its submodules
+    "wrapper_tree": {"tree_width": 3, "lean_forward": False},
 }
 
 # Measured with the copy draft over 40 tokens: 4.44 (k = 4: 4 accepted + 1 bonus per forward,
 # less the last partial step), 5.71 when dynamic depth grows to k_max = 8, 2.86 when the
 # node budget stops the tree at depth 2.
-COPY_MIN_TAU = {"chain": 4.0, "tree": 4.0, "tree_budget": 2.5, "dynamic_chain": 5.0, "dynamic_tree": 4.0}
+COPY_MIN_TAU = {
+    "chain": 4.0, "tree": 4.0, "tree_budget": 2.5, "dynamic_chain": 5.0, "dynamic_tree": 4.0, "wrapper_chain": 4.0, "wrapper_tree": 4.0,
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("draft_name", ["other", "copy"])
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_greedy_is_token_identical_to_generate(config, draft_name, model, drafts, prompt, reference):
     proposer = DraftModelProposer(drafts[draft_name], k=4, target=model, **CONFIGS[config])
+    assert (proposer.lean is None) == config.startswith("wrapper")  # a stock Llama passes the lean probe
     result = SpeculativeDecoder(model, proposer).generate(prompt, max_new_tokens=MAX_NEW)
     assert result.new_tokens == reference
     stats = result.stats
@@ -115,6 +124,7 @@ def test_tree_children_are_the_top_tokens_after_their_path(drafts, prompt):
 
 
 def assert_cache_is_fresh_prefill(proposer: DraftModelProposer, tokens: list[int]) -> None:
+    """The cache holds exactly ``tokens``' KV, as one prefill of them would."""
     assert proposer.cached_tokens == tokens
     assert proposer.cache_len == len(tokens)
     fresh = DynamicCache(config=proposer.model.config)
@@ -128,22 +138,37 @@ def assert_cache_is_fresh_prefill(proposer: DraftModelProposer, tokens: list[int
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("config", ["chain", "tree"])
 def test_draft_cache_holds_exactly_the_committed_tokens(config, temperature, model, drafts, prompt, monkeypatch):
-    proposer = DraftModelProposer(drafts["other"], target=model, **CONFIGS[config])
-    propose, contexts = proposer.propose, []
+    """After propose: the committed tokens, then (chains only) the draft tokens fed to reach the last.
+    After observe: the committed tokens and the accepted guesses, never a rejected one."""
+    proposer = DraftModelProposer(drafts["near"], target=model, **CONFIGS[config])
+    propose, observe = proposer.propose, proposer.observe
+    pending, steps, contexts = [], [], []  # steps: (accepted, fed) per proposed draft
 
     def checked_propose(context):
         draft = propose(context)
-        assert_cache_is_fresh_prefill(proposer, context.tokens)  # draft tokens rolled back
-        contexts.append(context)
+        fed = draft.token_ids.tolist()[: draft.num_nodes - 1] if config == "chain" else []
+        assert_cache_is_fresh_prefill(proposer, context.tokens + fed)
+        contexts.append(list(context.tokens))
+        pending.append((list(context.tokens), fed))
         return draft
 
+    def checked_observe(result, features):
+        observe(result, features)
+        if pending:  # a step without a draft (no room left) leaves the cache alone
+            tokens, fed = pending.pop()
+            kept = result.accepted_tokens[: len(fed)]
+            assert_cache_is_fresh_prefill(proposer, tokens + kept)
+            steps.append((len(kept), len(fed)))
+
     monkeypatch.setattr(proposer, "propose", checked_propose)
+    monkeypatch.setattr(proposer, "observe", checked_observe)
     result = SpeculativeDecoder(model, proposer).generate(prompt, max_new_tokens=16, temperature=temperature, seed=0)
     assert len(contexts) > 3 and result.stats.drafted_tokens > 0
+    if config == "chain":  # both cases happened: accepted guesses kept, fed guesses dropped
+        assert any(kept > 0 for kept, _ in steps) and any(kept < fed for kept, fed in steps), steps
     # Lazy catch-up also survives a history that diverged from the cache (a new request without begin).
-    tokens = contexts[-1].tokens[:8] + [7, 8, 9]
-    propose(ProposeContext(tokens, max_depth=4, sampling=SamplingParams(temperature), generator=torch.Generator()))
-    assert_cache_is_fresh_prefill(proposer, tokens)
+    tokens = contexts[-1][:8] + [7, 8, 9]
+    checked_propose(ProposeContext(tokens, max_depth=4, sampling=SamplingParams(temperature), generator=torch.Generator()))
 
 
 # ---------------------------------------------------------------------------------------
@@ -153,7 +178,12 @@ V = 8
 N_LAW = 4000
 N_CONTROL = 1000  # fewer samples only make a control harder to catch, so failing it is the stronger result
 LAW_PROMPT = torch.tensor([[1, 2, 7]])
-LAW_CASES = {"chain_t0.7": ({}, 0.7), "tree_t1.0": ({"tree_width": 3}, 1.0)}
+LAW_CASES = {  # the 2 x 2 grid: chain and sampled tree (siblings without replacement), T = 0.7 and 1.0
+    "chain_t0.7": ({}, 0.7),
+    "chain_t1.0": ({}, 1.0),
+    "tree_t0.7": ({"tree_width": 3}, 0.7),
+    "tree_t1.0": ({"tree_width": 3}, 1.0),
+}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,101 @@
+"""Run a stock decoder-only LM's own submodules, without its wrapper's per-call work.
+
+``model(input_ids, cache=...)`` re-derives the cache length and the positions, builds an
+attention mask, runs output-capturing hooks and wraps every result in dataclasses. For a
+small draft that work is a third of a decode step on a CPU (0.9 ms -> 0.6 ms per token for
+a 1-layer, hidden-128 Llama). A proposer already knows its positions and masks, so it can
+call ``embed_tokens -> rotary_emb -> layers -> norm -> lm_head`` itself.
+
+Nothing is re-implemented and nothing is patched: the same modules run on the same cache.
+``LeanForward.probe`` runs both paths on a short input when a proposer is built, and the
+lean path is used only when it gives the wrapper's logits; other models keep the wrapper.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+PROBE_TOKENS = 6
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")  # the ones that take a 4D additive float mask as given
+
+
+class LeanForward:
+    """Calls of a ``*ForCausalLM``'s submodules that match its own forward.
+
+    Args:
+        model: a causal LM with ``model.model.{embed_tokens, rotary_emb, layers, norm}`` and
+            ``model.lm_head`` (the Llama / Mistral / Qwen layout). Build with ``probe``.
+    """
+
+    def __init__(self, model: nn.Module):
+        backbone = model.model
+        self.embed, self.rotary, self.norm, self.head = backbone.embed_tokens, backbone.rotary_emb, backbone.norm, model.lm_head
+        self.layers = list(backbone.layers[: model.config.num_hidden_layers])
+        self.dtype = model.dtype
+
+    def __call__(
+        self, input_ids: torch.Tensor, cache: DynamicCache, position_ids: torch.Tensor, mask: torch.Tensor | None = None, last: int = 0
+    ) -> torch.Tensor:
+        """Feed ``input_ids`` ``[1, m]`` at ``position_ids`` ``[1, m]`` after the ``cache``'s positions; extend it.
+
+        Args:
+            mask: a 4D additive mask ``[1, 1, m, past + m]``; None means causal (built here
+                when m > 1; a single token attends to everything cached).
+            last: return the logits of the last ``last`` rows only (0: every row).
+
+        Returns:
+            logits ``[rows, vocab]`` in the model's dtype.
+        """
+        rows = input_ids.shape[1]
+        if mask is None and rows > 1:
+            mask = causal_mask(cache.get_seq_length(), rows, self.dtype, input_ids.device)
+        hidden = self.embed(input_ids)
+        rotary = self.rotary(hidden, position_ids=position_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True, position_embeddings=rotary)
+        if last:
+            hidden = hidden[:, -last:]
+        return self.head(self.norm(hidden))[0]
+
+    @classmethod
+    @torch.inference_mode()
+    def probe(cls, model: nn.Module, atol: float | None = None) -> LeanForward | None:
+        """A ``LeanForward`` for ``model`` when it reproduces the model's logits on a probe; else None.
+
+        The probe prefills two tokens with the model, then feeds one token unmasked and
+        three with a causal mask through the lean path, and compares every row with one
+        forward of the whole input. A model with another layout, an attention that needs
+        its own masks (sliding windows, flash kernels) or extra work in its forward
+        (logit soft-capping) fails the probe and keeps its own forward.
+        """
+        if getattr(model.config, "_attn_implementation", None) not in ATTENTION_IMPLEMENTATIONS:
+            return None
+        if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
+            return None  # sliding windows mask beyond what a short probe can show
+        try:
+            lean = cls(model)
+            vocab = model.get_input_embeddings().num_embeddings
+            ids = (torch.arange(PROBE_TOKENS, device=model.device) * 7919 % vocab).unsqueeze(0)
+            expected = model(ids, cache=DynamicCache(config=model.config), use_cache=True).logits[0].float()
+            cache = DynamicCache(config=model.config)
+            model(ids[:, :2], cache=cache, use_cache=True)
+            positions = torch.arange(PROBE_TOKENS, device=model.device).unsqueeze(0)
+            single = lean(ids[:, 2:3], cache, positions[:, 2:3])
+            several = lean(ids[:, 3:], cache, positions[:, 3:])
+            got = torch.cat([single, several]).float()
+        except Exception:  # another layout or signature: the wrapper it is
+            return None
+        if atol is None:
+            atol = 1e-4 if model.dtype == torch.float32 else 3e-2
+        scale = max(1.0, float(expected.abs().max()))
+        return lean if bool(((got - expected[2:]).abs() <= atol * scale).all()) else None
+
+
+def causal_mask(past: int, rows: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """The 4D additive mask ``[1, 1, rows, past + rows]`` of ``rows`` new tokens after ``past`` cached ones."""
+    mask = torch.zeros(1, 1, rows, past + rows, dtype=dtype, device=device)
+    mask[..., past:] = torch.full((rows, rows), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
+    return mask
