@@ -3,8 +3,10 @@
 Speculative decoding as in Leviathan et al. 2023 and Chen et al. 2023. The tree expands
 the most probable leaves by cumulative log-prob at each depth (EAGLE-2, Li et al. 2024),
 one draft forward per depth through a 4D attention mask; sampled siblings are drawn
-without replacement (Jeon et al. 2024). The draft keeps its own KV cache and rolls it
-back to the committed tokens after every draft, so it never holds a rejected guess.
+without replacement (Jeon et al. 2024). The draft keeps its own KV cache; after every
+verification it drops the rejected guesses and keeps the accepted ones of a chain, so the
+next draft starts after one new token. Drafting calls the draft's own submodules directly
+when that reproduces its forward (``lean_forward``).
 """
 
 from __future__ import annotations
