@@ -18,9 +18,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 import training.train as train_module
 from proposers import load_proposer
+from training.data import read_files, render_chat, self_distill
 from training.losses import forward_kl, masked_mean, reverse_kl, top1_agreement, tvd
 from training.tokenizer import build_tokenizer
-from training.train import build_student, load_config, render_chat, run, self_distill
+from training.train import build_student, load_config, run
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = "".join(
@@ -172,7 +173,7 @@ def test_self_distillation_trains_on_target_continuations_and_caches_them(target
     )
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    rows = train_module.read_files(cfg.data.train_files, tmp_path / "ds")
+    rows = read_files(cfg.data.train_files, tmp_path / "ds")
     first = self_distill(cfg, cfg.data.train_files, rows, tokenizer, target)
     assert len(first) == 3
     for row in first:
