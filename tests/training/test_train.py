@@ -223,6 +223,18 @@ def test_distillation_lowers_kl_keeps_target_frozen_and_loads_as_a_proposer(targ
     assert proposer.vocab_size == used["target"].config.vocab_size
 
 
+def test_wandb_without_a_key_logs_offline_into_the_run_dir(target_dir, text_file, tmp_path, monkeypatch):
+    """``log_with: wandb`` with no WANDB_API_KEY never asks for a login: an offline run lands in run_dir/wandb."""
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.setenv(name, "unset")  # recorded, so the test's own changes are undone afterwards
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = tiny_config(target_dir, text_file, tmp_path, "max_steps=4", "log_every=2", "log_with=wandb")
+    run(cfg)
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb")), runs
+
+
 def test_resume_after_interrupt_reproduces_the_uninterrupted_run(target_dir, text_file, tmp_path, monkeypatch):
     # 81 blocks make 27 batches of 3 per epoch; with 2 micro-batches per step, step 14 straddles
     # the epoch end, and the resumed run starts one batch into the second epoch
