@@ -267,3 +267,28 @@ def plot_curve(
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+# --- several processes ---------------------------------------------------------
+
+
+def all_agree(flag: bool, accelerator: Accelerator) -> bool:
+    """``flag`` if any process raised it: every process must leave the loop at the same step."""
+    if accelerator.num_processes == 1:
+        return flag
+    return bool(accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), "sum").item() > 0)
+
+
+def multi_process_cpu() -> bool:
+    """Whether this is one of several processes on a machine with no accelerator.
+
+    accelerate picks its gloo (MULTI_CPU) backend only when asked for the CPU; without
+    ``cpu=True`` every process of a ``torchrun`` / ``accelerate launch --multi_gpu`` run on
+    a CPU machine would train alone on the whole data.
+    """
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and torch.accelerator.current_accelerator() is None
+
+
+def first_process() -> bool:
+    """Whether this is the first (or only) process of a launch: the one that reports."""
+    return int(os.environ.get("RANK", "0")) == 0

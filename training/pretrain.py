@@ -29,17 +29,20 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from training.common import (
     TrainState,
+    all_agree,
     config_hash,
     cosine_lr,
+    first_process,
     load_recipe,
     make_adamw,
+    multi_process_cpu,
     plot_curve,
     resume,
     save_checkpoint,
@@ -260,18 +263,18 @@ def train_step(accelerator: Accelerator, model, optimizer, batch: torch.Tensor, 
     return loss.item()
 
 
-def log_point(state: TrainState, cfg: PretrainConfig, losses: list[float], lr: float) -> dict:
-    """Append the mean train loss since the last point to the curve."""
-    tokens = state.step * cfg.batch_size * cfg.block_size
+def log_point(state: TrainState, cfg: PretrainConfig, losses: list[float], lr: float, processes: int = 1) -> dict:
+    """Append the mean train loss since the last point (of the first process) to the curve."""
+    tokens = state.step * cfg.batch_size * cfg.block_size * processes
     point = {"step": state.step, "tokens": tokens, "elapsed_s": round(state.elapsed_s, 1), "lr": lr}
     state.curve.append({**point, "train_loss": sum(losses) / len(losses), "tokens_per_s": round(tokens / state.elapsed_s)})
     return state.curve[-1]
 
 
-def eval_point(state: TrainState, cfg: PretrainConfig, model, heldout: dict[str, torch.Tensor]) -> dict:
+def eval_point(state: TrainState, cfg: PretrainConfig, model, heldout: dict[str, torch.Tensor], processes: int = 1) -> dict:
     """Append the held-out loss per domain (first ``eval_tokens`` tokens) to the curve."""
     losses = heldout_loss(model, heldout, cfg.block_size, cfg.eval_tokens)
-    tokens = state.step * cfg.batch_size * cfg.block_size
+    tokens = state.step * cfg.batch_size * cfg.block_size * processes
     point = {"step": state.step, "tokens": tokens, "elapsed_s": round(state.elapsed_s, 1)}
     state.curve.append({**point, "heldout_loss": {d: round(v["nats_per_token"], 4) for d, v in losses.items()}})
     return state.curve[-1]
@@ -287,7 +290,7 @@ def train(cfg: PretrainConfig, tokens_dir: Path, tokenizer, run_dir: Path, stop_
         run_dir: checkpoints and the running loss curve; resumed from when present.
         stop_after_steps: simulate an interrupt after this step (checkpoint, then return None).
     """
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
+    accelerator = Accelerator(cpu=multi_process_cpu(), mixed_precision=cfg.mixed_precision)
     set_seed(cfg.seed, device_specific=True)  # each process draws its own batches
     model = build_model(cfg, tokenizer)
     model, optimizer = accelerator.prepare(model, make_adamw(model, cfg.learning_rate, cfg.weight_decay))
@@ -305,7 +308,8 @@ def train(cfg: PretrainConfig, tokens_dir: Path, tokenizer, run_dir: Path, stop_
     )
     started, losses = time.time() - state.elapsed_s, []
     try:
-        while state.progress(cfg.max_steps, cfg.max_minutes) < 1.0:
+        done = all_agree(state.progress(cfg.max_steps, cfg.max_minutes) >= 1.0, accelerator)
+        while not done:
             # data
             lr = learning_rate(cfg, state.step, state.progress(cfg.max_steps, cfg.max_minutes))
             for group in optimizer.param_groups:
@@ -316,13 +320,13 @@ def train(cfg: PretrainConfig, tokens_dir: Path, tokenizer, run_dir: Path, stop_
             state.step, state.elapsed_s = state.step + 1, time.time() - started
             bar.update(1)
             # log
-            done = state.progress(cfg.max_steps, cfg.max_minutes) >= 1.0
+            done = all_agree(state.progress(cfg.max_steps, cfg.max_minutes) >= 1.0, accelerator)  # time may run out on one process first
             if state.step % cfg.log_every == 0 or done:
-                point = log_point(state, cfg, losses, lr)
+                point = log_point(state, cfg, losses, lr, accelerator.num_processes)
                 bar.set_postfix(loss=f"{point['train_loss']:.3f}", tok_s=point["tokens_per_s"])
                 losses = []
             if state.step % cfg.eval_every == 0 or done:
-                accelerator.print(json.dumps(eval_point(state, cfg, model, heldout)), flush=True)
+                accelerator.print(json.dumps(eval_point(state, cfg, model, heldout, accelerator.num_processes)), flush=True)
             # checkpoint
             if state.step % cfg.checkpoint_every == 0 or done or state.step == stop_after_steps:
                 save_checkpoint(accelerator, run_dir, state, cfg.keep_checkpoints)
@@ -383,16 +387,21 @@ def run(cfg: PretrainConfig, stop_after_steps: int = 0) -> Path | None:
     torch.set_num_threads(cfg.threads or threads)
     try:
         work = Path(cfg.work_dir)
-        corpus_dir = build_corpus(cfg, work)
-        tokenizer_dir = build_tokenizer_stage(cfg, corpus_dir, work)
-        tokens_dir = build_tokens(cfg, corpus_dir, tokenizer_dir, work)
+        processes = PartialState(cpu=multi_process_cpu())
+        with processes.main_process_first():  # the first process builds the cached stages, the others read them
+            corpus_dir = build_corpus(cfg, work)
+            tokenizer_dir = build_tokenizer_stage(cfg, corpus_dir, work)
+            tokens_dir = build_tokens(cfg, corpus_dir, tokenizer_dir, work)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         run_dir = work / f"run-{stage_hash(cfg)}"
         model = train(cfg, tokens_dir, tokenizer, run_dir, stop_after_steps)
         if model is None:
             return None
-        curve = json.loads((run_dir / "loss_curve.json").read_text())
-        return export(cfg, model, tokenizer, curve, tokens_dir)
+        if processes.is_main_process:
+            curve = json.loads((run_dir / "loss_curve.json").read_text())
+            export(cfg, model, tokenizer, curve, tokens_dir)
+        processes.wait_for_everyone()
+        return Path(cfg.output_dir)
     finally:
         torch.set_num_threads(threads)  # leave the caller's setting as it was
 
@@ -406,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(args.config, args.overrides)
     sigterm_as_interrupt()  # kill = Ctrl-C: checkpoint, then exit
     out = run(cfg)
-    if out is not None:
+    if out is not None and first_process():
         print(json.dumps(json.loads((out / "heldout_loss.json").read_text())))
 
 

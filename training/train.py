@@ -44,12 +44,15 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Ll
 from proposers.draft_model import check_vocabulary, warn_if_bigger
 from training.common import (
     TrainState,
+    all_agree,
     checkpoints,
     config_hash,
     cosine_lr,
+    first_process,
     flatten,
     load_recipe,
     make_adamw,
+    multi_process_cpu,
     plot_curve,
     resume,
     save_checkpoint,
@@ -297,31 +300,40 @@ def distill_step(model, target, batch: dict[str, torch.Tensor], loss_name: str, 
 
 
 @torch.no_grad()
-def evaluate(model, target, loader, max_batches: int) -> dict:
-    """Forward KL (temperature 1) and top-1 agreement on the first ``max_batches`` batches, weighted by tokens."""
+def evaluate(model, target, loader, max_batches: int, accelerator: Accelerator | None = None) -> dict:
+    """Forward KL (temperature 1) and top-1 agreement on the first ``max_batches`` batches, weighted by tokens.
+
+    With several processes each evaluates its shard of the batches and the sums are
+    reduced, so every process returns the same numbers over all of them.
+    """
     was_training = model.training
     model.eval()
-    kl = agree = count = 0.0
+    sums = torch.zeros(3, dtype=torch.float64)  # KL x tokens, agreement x tokens, tokens
     for i, batch in enumerate(loader):
         if i >= max_batches:
             break
         mask = batch["loss_mask"]
         target_logits, draft_logits = target(input_ids=batch["input_ids"]).logits, model(input_ids=batch["input_ids"]).logits
         tokens = float(mask.sum())
-        kl += float(forward_kl(draft_logits, target_logits, mask)) * tokens
-        agree += float(top1_agreement(draft_logits, target_logits, mask)) * tokens
-        count += tokens
+        kl, agree = float(forward_kl(draft_logits, target_logits, mask)), float(top1_agreement(draft_logits, target_logits, mask))
+        sums += torch.tensor([kl * tokens, agree * tokens, tokens], dtype=torch.float64)
     model.train(was_training)
+    if accelerator is not None and accelerator.num_processes > 1:
+        sums = accelerator.reduce(sums.to(accelerator.device), "sum").cpu()
+    kl, agree, count = sums.tolist()
     return {"forward_kl": round(kl / max(count, 1.0), 4), "top1": round(agree / max(count, 1.0), 4), "tokens": int(count)}
 
 
 # --- the loop ------------------------------------------------------------------
 
 
-def log_point(state: TrainState, window: list[tuple[float, float]], lr: float) -> dict:
-    """Append the mean train loss and top-1 agreement of the steps since the last point to the curve."""
+def log_point(state: TrainState, window: list[tuple[float, float]], lr: float, accelerator: Accelerator | None = None) -> dict:
+    """Append the mean train loss and top-1 agreement of the steps since the last point to the curve (over all processes)."""
+    means = torch.tensor(window, dtype=torch.float64).mean(dim=0)
+    if accelerator is not None and accelerator.num_processes > 1:
+        means = accelerator.reduce(means.to(accelerator.device), "mean").cpu()
     point = {"step": state.step, "tokens": state.tokens, "elapsed_s": round(state.elapsed_s, 1), "lr": lr}
-    point.update(train_loss=sum(w[0] for w in window) / len(window), top1=sum(w[1] for w in window) / len(window))
+    point.update(train_loss=float(means[0]), top1=float(means[1]))
     state.curve.append(point)
     return point
 
@@ -334,6 +346,7 @@ def make_accelerator(cfg: TrainConfig, run_dir: Path) -> Accelerator:
     if log_with == "wandb" and not os.environ.get("WANDB_API_KEY"):
         os.environ.setdefault("WANDB_MODE", "offline")  # never ask for a login; `wandb sync` uploads later
     return Accelerator(
+        cpu=multi_process_cpu(),
         mixed_precision=precision,
         # Steps are counted across epoch ends, so a resumed run sees the same micro-batches per step.
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.gradient_accumulation_steps, sync_with_dataloader=False),
@@ -393,7 +406,7 @@ def train(cfg: TrainConfig, interrupt_after_steps: int = 0) -> Path:
             "step": state.step,
             "tokens": state.tokens,
             "elapsed_s": round(state.elapsed_s, 1),
-            "heldout": evaluate(model, target, eval_loader, cfg.eval_batches),
+            "heldout": evaluate(model, target, eval_loader, cfg.eval_batches, accelerator),
         }
         point["heldout_loss"] = point["heldout"]["forward_kl"]
         state.curve.append(point)
@@ -441,10 +454,10 @@ def train(cfg: TrainConfig, interrupt_after_steps: int = 0) -> Path:
                     continue
                 state.step, state.elapsed_s = state.step + 1, time.time() - started
                 bar.update(1)
-                done = progress() >= 1.0
+                done = all_agree(progress() >= 1.0, accelerator)  # a time budget can run out on one process first
                 # log
                 if state.step % cfg.log_every == 0 or done:
-                    point = log_point(state, window, lr)
+                    point = log_point(state, window, lr, accelerator)
                     accelerator.log({"train/loss": point["train_loss"], "train/top1": point["top1"], "lr": lr}, step=state.step)
                     bar.set_postfix(loss=f"{point['train_loss']:.3f}", top1=f"{point['top1']:.3f}")
                     window = []
@@ -519,7 +532,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(args.config, args.overrides)
     sigterm_as_interrupt()  # kill = Ctrl-C: checkpoint, then exit
     out = run(cfg)
-    print(f"draft written to {out}")
+    if first_process():
+        print(f"draft written to {out}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -233,6 +236,27 @@ def test_wandb_without_a_key_logs_offline_into_the_run_dir(target_dir, text_file
     run(cfg)
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), runs
+
+
+def test_two_processes_split_the_data_and_agree(target_dir, text_file, tmp_path):
+    """``torchrun --nproc_per_node 2`` on a CPU machine trains one model on both shards (gloo), not two models alone.
+
+    Control: the same recipe in one process counts half the tokens and evaluates half the batches.
+    """
+    extra = ("max_steps=6", f"data.eval_files=[{text_file}]", "eval_batches=2", "eval_every=3", "checkpoint_every=3")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "training.train"]
+    args = ["--config", str(REPO / "recipes" / "distill_draft_full.yaml"), *tiny_overrides(target_dir, text_file, tmp_path / "two", *extra)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(launch + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("draft written to") == 1  # one report, from rank 0
+    one = run(tiny_config(target_dir, text_file, tmp_path / "one", *extra))
+    curves = {name: json.loads((tmp_path / name / "out" / "loss_curve.json").read_text()) for name in ("one", "two")}
+    last = {name: curve[-1] for name, curve in curves.items()}
+    assert last["two"]["tokens"] == 2 * last["one"]["tokens"] == 2 * 6 * 4 * 32
+    assert last["two"]["heldout"]["tokens"] == 2 * last["one"]["heldout"]["tokens"] == 2 * 2 * 4 * 32
+    assert last["two"]["heldout"]["forward_kl"] < curves["two"][0]["heldout"]["forward_kl"]
+    assert (one / "model.safetensors").is_file() and (tmp_path / "two" / "out" / "model.safetensors").is_file()
 
 
 def test_resume_after_interrupt_reproduces_the_uninterrupted_run(target_dir, text_file, tmp_path, monkeypatch):
