@@ -263,11 +263,15 @@ def train_step(accelerator: Accelerator, model, optimizer, batch: torch.Tensor, 
     return loss.item()
 
 
-def log_point(state: TrainState, cfg: PretrainConfig, losses: list[float], lr: float, processes: int = 1) -> dict:
-    """Append the mean train loss since the last point (of the first process) to the curve."""
+def log_point(state: TrainState, cfg: PretrainConfig, losses: list[float], lr: float, accelerator: Accelerator | None = None) -> dict:
+    """Append the mean train loss since the last point (over all processes) to the curve."""
+    processes = accelerator.num_processes if accelerator is not None else 1
+    loss = sum(losses) / len(losses)
+    if processes > 1:
+        loss = float(accelerator.reduce(torch.tensor([loss], device=accelerator.device), "mean"))
     tokens = state.step * cfg.batch_size * cfg.block_size * processes
     point = {"step": state.step, "tokens": tokens, "elapsed_s": round(state.elapsed_s, 1), "lr": lr}
-    state.curve.append({**point, "train_loss": sum(losses) / len(losses), "tokens_per_s": round(tokens / state.elapsed_s)})
+    state.curve.append({**point, "train_loss": loss, "tokens_per_s": round(tokens / state.elapsed_s)})
     return state.curve[-1]
 
 
@@ -322,7 +326,7 @@ def train(cfg: PretrainConfig, tokens_dir: Path, tokenizer, run_dir: Path, stop_
             # log
             done = all_agree(state.progress(cfg.max_steps, cfg.max_minutes) >= 1.0, accelerator)  # time may run out on one process first
             if state.step % cfg.log_every == 0 or done:
-                point = log_point(state, cfg, losses, lr, accelerator.num_processes)
+                point = log_point(state, cfg, losses, lr, accelerator)
                 bar.set_postfix(loss=f"{point['train_loss']:.3f}", tok_s=point["tokens_per_s"])
                 losses = []
             if state.step % cfg.eval_every == 0 or done:
