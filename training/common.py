@@ -273,10 +273,11 @@ def plot_curve(
 
 
 def all_agree(flag: bool, accelerator: Accelerator) -> bool:
-    """``flag`` if any process raised it: every process must leave the loop at the same step."""
-    if accelerator.num_processes == 1:
-        return flag
-    return bool(accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), "sum").item() > 0)
+    """``flag`` if any process raised it: every process must leave the loop at the same step.
+
+    (``accelerator.reduce`` returns its input unchanged in a single process.)
+    """
+    return bool(accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), "max").item())
 
 
 def multi_process_cpu() -> bool:

@@ -263,23 +263,24 @@ def train_step(accelerator: Accelerator, model, optimizer, batch: torch.Tensor, 
     return loss.item()
 
 
-def log_point(state: TrainState, cfg: PretrainConfig, losses: list[float], lr: float, accelerator: Accelerator | None = None) -> dict:
+def tokens_seen(state: TrainState, cfg: PretrainConfig, accelerator: Accelerator) -> int:
+    """Training tokens so far, over all processes."""
+    return state.step * cfg.batch_size * cfg.block_size * accelerator.num_processes
+
+
+def log_point(state: TrainState, cfg: PretrainConfig, losses: list[float], lr: float, accelerator: Accelerator) -> dict:
     """Append the mean train loss since the last point (over all processes) to the curve."""
-    processes = accelerator.num_processes if accelerator is not None else 1
-    loss = sum(losses) / len(losses)
-    if processes > 1:
-        loss = float(accelerator.reduce(torch.tensor([loss], device=accelerator.device), "mean"))
-    tokens = state.step * cfg.batch_size * cfg.block_size * processes
+    loss = float(accelerator.reduce(torch.tensor([sum(losses) / len(losses)], device=accelerator.device), "mean"))
+    tokens = tokens_seen(state, cfg, accelerator)
     point = {"step": state.step, "tokens": tokens, "elapsed_s": round(state.elapsed_s, 1), "lr": lr}
     state.curve.append({**point, "train_loss": loss, "tokens_per_s": round(tokens / state.elapsed_s)})
     return state.curve[-1]
 
 
-def eval_point(state: TrainState, cfg: PretrainConfig, model, heldout: dict[str, torch.Tensor], processes: int = 1) -> dict:
+def eval_point(state: TrainState, cfg: PretrainConfig, model, heldout: dict[str, torch.Tensor], accelerator: Accelerator) -> dict:
     """Append the held-out loss per domain (first ``eval_tokens`` tokens) to the curve."""
     losses = heldout_loss(model, heldout, cfg.block_size, cfg.eval_tokens)
-    tokens = state.step * cfg.batch_size * cfg.block_size * processes
-    point = {"step": state.step, "tokens": tokens, "elapsed_s": round(state.elapsed_s, 1)}
+    point = {"step": state.step, "tokens": tokens_seen(state, cfg, accelerator), "elapsed_s": round(state.elapsed_s, 1)}
     state.curve.append({**point, "heldout_loss": {d: round(v["nats_per_token"], 4) for d, v in losses.items()}})
     return state.curve[-1]
 
@@ -330,7 +331,7 @@ def train(cfg: PretrainConfig, tokens_dir: Path, tokenizer, run_dir: Path, stop_
                 bar.set_postfix(loss=f"{point['train_loss']:.3f}", tok_s=point["tokens_per_s"])
                 losses = []
             if state.step % cfg.eval_every == 0 or done:
-                accelerator.print(json.dumps(eval_point(state, cfg, model, heldout, accelerator.num_processes)), flush=True)
+                accelerator.print(json.dumps(eval_point(state, cfg, model, heldout, accelerator)), flush=True)
             # checkpoint
             if state.step % cfg.checkpoint_every == 0 or done or state.step == stop_after_steps:
                 save_checkpoint(accelerator, run_dir, state, cfg.keep_checkpoints)

@@ -318,7 +318,7 @@ def evaluate(model, target, loader, max_batches: int, accelerator: Accelerator |
         kl, agree = float(forward_kl(draft_logits, target_logits, mask)), float(top1_agreement(draft_logits, target_logits, mask))
         sums += torch.tensor([kl * tokens, agree * tokens, tokens], dtype=torch.float64)
     model.train(was_training)
-    if accelerator is not None and accelerator.num_processes > 1:
+    if accelerator is not None:
         sums = accelerator.reduce(sums.to(accelerator.device), "sum").cpu()
     kl, agree, count = sums.tolist()
     return {"forward_kl": round(kl / max(count, 1.0), 4), "top1": round(agree / max(count, 1.0), 4), "tokens": int(count)}
@@ -330,7 +330,7 @@ def evaluate(model, target, loader, max_batches: int, accelerator: Accelerator |
 def log_point(state: TrainState, window: list[tuple[float, float]], lr: float, accelerator: Accelerator | None = None) -> dict:
     """Append the mean train loss and top-1 agreement of the steps since the last point to the curve (over all processes)."""
     means = torch.tensor(window, dtype=torch.float64).mean(dim=0)
-    if accelerator is not None and accelerator.num_processes > 1:
+    if accelerator is not None:
         means = accelerator.reduce(means.to(accelerator.device), "mean").cpu()
     point = {"step": state.step, "tokens": state.tokens, "elapsed_s": round(state.elapsed_s, 1), "lr": lr}
     point.update(train_loss=float(means[0]), top1=float(means[1]))
