@@ -25,8 +25,8 @@ import torch
 from harness import hf_greedy, run_interleaved  # noqa: E402 (benchmarks/ is the script directory)
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from proposers import load_proposer
-from verify import SpeculativeDecoder
+from draftsmith.proposers import load_proposer
+from draftsmith.verify import SpeculativeDecoder
 
 
 def build_model(args) -> torch.nn.Module:
@@ -79,7 +79,7 @@ def main() -> None:
     if args.domain:
         from transformers import AutoTokenizer
 
-        from verify.domains import load_domain
+        from draftsmith.verify.evaluation.domains import load_domain
 
         tokenizer = AutoTokenizer.from_pretrained(args.target)
         name = Path(args.domain).stem

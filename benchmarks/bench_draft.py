@@ -31,16 +31,16 @@ import torch
 from harness import hf_greedy, run_interleaved  # noqa: E402 (benchmarks/ is the script directory)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from proposers import load_proposer
-from verify import SpeculativeDecoder
-from verify.domains import load_domain
+from draftsmith.proposers import load_proposer
+from draftsmith.verify import SpeculativeDecoder
+from draftsmith.verify.evaluation.domains import load_domain
 
 
 def load_prompts(args, tokenizer, max_positions: int) -> list[torch.Tensor]:
     """``--prompts`` prompts per domain file, cut to ``--prompt-tokens``, domains interleaved."""
     paths = [Path(p) for p in args.domains]
     if not all(p.is_file() for p in paths):
-        from training.demo import build_domains, heldout_documents
+        from draftsmith.training.demo.run import build_domains, heldout_documents
 
         built = build_domains(heldout_documents(Path(args.target)), paths[0].parent, args.prompts, prompt_chars=4 * args.prompt_tokens)
         print(f"domain files written: {sorted(built.values())}")

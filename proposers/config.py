@@ -17,8 +17,8 @@ from .base import Proposer
 #: type name -> "module:Class". Classes may define ``from_config(target=..., **kwargs)``
 #: when they need the target model (vocabulary checks, hidden sizes).
 REGISTRY: dict[str, str] = {
-    "ngram": "proposers.ngram:NgramProposer",
-    "draft_model": "proposers.draft_model:DraftModelProposer",
+    "ngram": "draftsmith.proposers.ngram:NgramProposer",
+    "draft_model": "draftsmith.proposers.draft_model:DraftModelProposer",
 }
 
 

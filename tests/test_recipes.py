@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from proposers import load_proposer
-from training.pretrain import load_config
-from verify.evaluate import EvalConfig
+from draftsmith.proposers import load_proposer
+from draftsmith.training.demo.pretrain import load_config
+from draftsmith.verify.evaluation.evaluate import EvalConfig
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 

@@ -1,29 +1,107 @@
-"""The ``draftsmith`` console script: generate, eval (from ``verify``) and demo."""
+"""The ``draftsmith`` console script: generate, eval and demo.
+
+Training runs under its launchers (``accelerate launch -m draftsmith.training.train``), so
+that ``accelerate`` / ``torchrun`` start the processes; the script covers what runs in one.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 
-from verify.cli import add_verify_commands, print_summary, run_command
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftsmith", description="Speculative decoding for Hugging Face causal LMs.")
+    commands = parser.add_subparsers(dest="command", required=True)
 
-def main(argv: list[str] | None = None) -> int:
-    parser, commands = add_verify_commands()
+    gen = commands.add_parser("generate", help="generate text with a proposer and print it with decoding stats")
+    gen.add_argument("--target", required=True, help="directory of a causal LM saved with save_pretrained (with its tokenizer)")
+    gen.add_argument("--proposer", help="proposer config YAML (omit for plain decoding)")
+    gen.add_argument("--prompt", required=True, help="prompt text")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    gen.set_defaults(run=run_generate)
+
+    ev = commands.add_parser("eval", help="per-domain tau / speedup of proposers vs plain decoding (JSON, table, plots)")
+    ev.add_argument("--config", required=True, help="eval config YAML (see recipes/eval_*.yaml)")
+    ev.add_argument("overrides", nargs="*", help="key=value overrides of the config")
+    ev.add_argument("--no-progress", action="store_true")
+    ev.set_defaults(run=run_eval)
+
     demo = commands.add_parser("demo", help="build or reuse the offline demo target and evaluate every proposer on it")
     demo.add_argument("--quick", action="store_true", help="train the minutes-long quick target instead of using the shipped one")
     demo.add_argument("--output-dir", default="outputs/demo")
     demo.add_argument("--num-prompts", type=int, default=8, help="prompts per domain")
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.set_defaults(run=run_demo)
-    return run_command(parser, argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse and run; a bad value or missing file is one line on stderr and exit code 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"draftsmith {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def run_generate(args) -> int:
+    from draftsmith.proposers import load_proposer
+    from draftsmith.verify import SpeculativeDecoder, load_target
+
+    model, tokenizer = load_target(args.target)
+    proposer = load_proposer(args.proposer, target=model) if args.proposer else None
+    input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    result = SpeculativeDecoder(model, proposer).generate(
+        input_ids,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    text = tokenizer.decode(result.new_tokens, skip_special_tokens=True)
+    stats = result.stats
+    if args.json:
+        print(json.dumps({"text": text, "new_tokens": result.new_tokens, "stats": stats.to_dict()}))
+        return 0
+    print(text)
+    print(
+        f"\n[{stats.new_tokens} tokens, {stats.target_forwards} target forwards, tau {stats.tau:.2f}, "
+        f"{stats.tokens_per_second:.1f} tok/s, ttft {stats.ttft * 1000:.1f} ms, tpot {stats.tpot * 1000:.1f} ms]"
+    )
+    return 0
+
+
+def run_eval(args) -> int:
+    from draftsmith.verify.evaluation import EvalConfig, evaluate
+
+    print_summary(evaluate(EvalConfig.from_yaml(args.config, args.overrides), progress=not args.no_progress))
+    return 0
 
 
 def run_demo(args) -> int:
-    from training.demo import run_demo as demo
+    from draftsmith.training.demo.run import run_demo as demo
 
-    summary = demo(quick=args.quick, output_dir=args.output_dir, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens)
-    print_summary(summary)
+    print_summary(demo(quick=args.quick, output_dir=args.output_dir, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens))
     return 0
+
+
+def print_summary(summary: dict) -> None:
+    """Print the Markdown table and where the files went."""
+    from draftsmith.verify.evaluation.report import markdown_table
+
+    print(markdown_table(summary["rows"]))
+    for name, path in summary["paths"].items():
+        print(f"{name}: {path}")
 
 
 if __name__ == "__main__":

@@ -25,10 +25,10 @@ from datasets import Dataset, load_dataset, load_from_disk
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from training.common import config_hash
+from draftsmith.training.common import config_hash
 
 if TYPE_CHECKING:
-    from training.train import SelfDistillConfig, TrainConfig
+    from draftsmith.training.train import SelfDistillConfig, TrainConfig
 
 
 def check_files(files: list[str]) -> None:

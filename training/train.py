@@ -41,8 +41,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from proposers.draft_model import check_vocabulary, warn_if_bigger
-from training.common import (
+from draftsmith.proposers.draft_model import check_vocabulary, warn_if_bigger
+from draftsmith.training.common import (
     TrainState,
     all_agree,
     checkpoints,
@@ -58,8 +58,8 @@ from training.common import (
     save_checkpoint,
     sigterm_as_interrupt,
 )
-from training.data import build_dataset, check_files, collate, eval_config, make_loader
-from training.losses import LOSSES, forward_kl, top1_agreement
+from draftsmith.training.data import build_dataset, check_files, collate, eval_config, make_loader
+from draftsmith.training.losses import LOSSES, forward_kl, top1_agreement
 
 # --- config ----------------------------------------------------------------
 
@@ -235,7 +235,7 @@ def check_resumable(cfg: TrainConfig, run_dir: Path) -> None:
 
 def load_frozen_target(path: str, dtype: str, device: torch.device):
     """The target in eval mode with no trainable parameter, on ``device``; and its tokenizer."""
-    from verify.cli import load_target
+    from draftsmith.verify.target import load_target
 
     target, tokenizer = load_target(path)
     target = target.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)

@@ -3,8 +3,7 @@
 from .decoder import DecodeResult, SpeculativeDecoder
 from .rejection import greedy_accept, rejection_sample, residual_distribution, speculative_sample
 from .stats import DecodeStats
-from .target import Target, TargetOutput
-from .tree import prune_depth, tree_attention_mask, tree_position_ids, validate_draft
+from .target import Target, TargetOutput, load_target
 
 __all__ = [
     "DecodeResult",
@@ -12,12 +11,9 @@ __all__ = [
     "SpeculativeDecoder",
     "Target",
     "TargetOutput",
+    "load_target",
     "greedy_accept",
-    "prune_depth",
     "rejection_sample",
     "residual_distribution",
     "speculative_sample",
-    "tree_attention_mask",
-    "tree_position_ids",
-    "validate_draft",
 ]

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from proposers.base import Draft, ProposeContext, Proposer, SamplingParams, TargetFeatures, VerifyResult, output_vocab_size
+from draftsmith.proposers.base import Draft, ProposeContext, Proposer, SamplingParams, TargetFeatures, VerifyResult, output_vocab_size
 
 from .rejection import rejection_sample
 from .stats import DecodeStats
 from .target import Target, TargetOutput
-from .tree import node_depths, prune_depth, validate_draft
+from draftsmith.proposers.tree import node_depths, prune_depth, validate_draft
 
 
 @dataclass(frozen=True)

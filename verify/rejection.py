@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from proposers.base import Draft, SamplingParams, VerifyResult, logits_to_probs
+from draftsmith.proposers.base import Draft, SamplingParams, VerifyResult, logits_to_probs
 
-from .tree import children_lists
+from draftsmith.proposers.tree import children_lists
 
 
 def rejection_sample(

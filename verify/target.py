@@ -9,14 +9,17 @@ so the root's logits, which verify the draft's first level, come from the same f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from proposers.base import Draft, TargetFeatures, crop_cache, output_vocab_size
+from draftsmith.proposers.base import Draft, TargetFeatures, crop_cache, output_vocab_size
 
-from .tree import tree_attention_mask, tree_position_ids
+from draftsmith.proposers.tree import tree_attention_mask, tree_position_ids
+
+TARGET_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -102,3 +105,26 @@ class Target:
         if want_hidden:
             features = TargetFeatures({i: out.hidden_states[i][0] for i in self.hidden_layers})
         return TargetOutput(out.logits[0], features)
+
+
+def load_target(path: str | Path, dtype: str | torch.dtype = torch.float32, device_map: str | dict | None = None):
+    """Load a local causal LM and its tokenizer in eval mode; clear errors for a bad directory.
+
+    Args:
+        path: a ``save_pretrained`` directory holding the model and its tokenizer.
+        dtype: ``torch.float32`` (default), ``bfloat16`` or ``float16`` (or their names).
+        device_map: passed to ``from_pretrained`` to shard a large model over the devices
+            (``"auto"``, or a module -> device mapping); None loads it whole on the CPU.
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"target directory {path} has no config.json (expected a save_pretrained model directory)")
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise FileNotFoundError(f"target directory {path} has no tokenizer (tokenizer.json / tokenizer_config.json)")
+    if isinstance(dtype, str):
+        if dtype not in TARGET_DTYPES:
+            raise ValueError(f"target dtype {dtype!r} is not one of {list(TARGET_DTYPES)}")
+        dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer

@@ -20,11 +20,11 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import DynamicCache, PreTrainedTokenizerFast
 
-import proposers.draft_model as draft_model
-from proposers import load_proposer
-from proposers.base import ProposeContext, SamplingParams, logits_to_probs
-from proposers.draft_model import DraftModelProposer
-from verify import SpeculativeDecoder
+import draftsmith.proposers.draft_model as draft_model
+from draftsmith.proposers import load_proposer
+from draftsmith.proposers.base import ProposeContext, SamplingParams, logits_to_probs
+from draftsmith.proposers.draft_model import DraftModelProposer
+from draftsmith.verify import SpeculativeDecoder
 
 MAX_NEW = 40
 

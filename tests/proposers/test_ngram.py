@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from proposers import load_proposer
-from proposers.base import ProposeContext, SamplingParams
-from proposers.ngram import NgramProposer
+from draftsmith.proposers import load_proposer
+from draftsmith.proposers.base import ProposeContext, SamplingParams
+from draftsmith.proposers.ngram import NgramProposer
 
 GREEDY = SamplingParams()
 

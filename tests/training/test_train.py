@@ -19,12 +19,12 @@ from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-import training.train as train_module
-from proposers import load_proposer
-from training.data import read_files, render_chat, self_distill
-from training.losses import forward_kl, masked_mean, reverse_kl, top1_agreement, tvd
-from training.tokenizer import build_tokenizer
-from training.train import build_student, load_config, run
+import draftsmith.training.train as train_module
+from draftsmith.proposers import load_proposer
+from draftsmith.training.data import read_files, render_chat, self_distill
+from draftsmith.training.losses import forward_kl, masked_mean, reverse_kl, top1_agreement, tvd
+from draftsmith.training.demo.tokenizer import build_tokenizer
+from draftsmith.training.train import build_student, load_config, run
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = "".join(
@@ -244,7 +244,7 @@ def test_two_processes_split_the_data_and_agree(target_dir, text_file, tmp_path)
     Control: the same recipe in one process counts half the tokens and evaluates half the batches.
     """
     extra = ("max_steps=6", f"data.eval_files=[{text_file}]", "eval_batches=2", "eval_every=3", "checkpoint_every=3")
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "training.train"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "draftsmith.training.train"]
     args = ["--config", str(REPO / "recipes" / "distill_draft_full.yaml"), *tiny_overrides(target_dir, text_file, tmp_path / "two", *extra)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(launch + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

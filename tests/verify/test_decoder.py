@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import verify.decoder as decoder_module
-from proposers import load_proposer
-from proposers.base import Draft, ProposeContext
-from verify import SpeculativeDecoder
-from verify.target import Target
+import draftsmith.verify.decoder as decoder_module
+from draftsmith.proposers import load_proposer
+from draftsmith.proposers.base import Draft, ProposeContext
+from draftsmith.verify import SpeculativeDecoder
+from draftsmith.verify.target import Target
 
 MAX_NEW = 48
 

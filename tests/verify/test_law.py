@@ -16,9 +16,9 @@ from collections import Counter
 import pytest
 import torch
 
-import verify.rejection as rejection
-from proposers.base import Draft, ProposeContext, SamplingParams, logits_to_probs
-from verify import SpeculativeDecoder
+import draftsmith.verify.rejection as rejection
+from draftsmith.proposers.base import Draft, ProposeContext, SamplingParams, logits_to_probs
+from draftsmith.verify import SpeculativeDecoder
 
 V = 8
 N = 6000

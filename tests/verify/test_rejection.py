@@ -16,9 +16,9 @@ from collections import Counter
 import pytest
 import torch
 
-import verify.rejection as rejection
-from proposers.base import Draft, SamplingParams, logits_to_probs
-from verify.rejection import greedy_accept, rejection_sample, residual_distribution, speculative_sample
+import draftsmith.verify.rejection as rejection
+from draftsmith.proposers.base import Draft, SamplingParams, logits_to_probs
+from draftsmith.verify.rejection import greedy_accept, rejection_sample, residual_distribution, speculative_sample
 
 V = 8
 N = 12000

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from training.corpus import HELDOUT_MOD, collect_corpus, is_heldout, strip_troff
+from draftsmith.training.demo.corpus import HELDOUT_MOD, collect_corpus, is_heldout, strip_troff
 
 LICENSE = "Permission is hereby granted, free of charge, to any person obtaining a copy. " * 5
 MAN_PAGE = r""".\" a comment

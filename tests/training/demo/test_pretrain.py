@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from training.pretrain import build_model, load_config, run
-from training.tokenizer import build_tokenizer
+from draftsmith.training.demo.pretrain import build_model, load_config, run
+from draftsmith.training.demo.tokenizer import build_tokenizer
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 QUICK = REPO / "recipes" / "demo_target_quick.yaml"
 TINY = (  # the quick recipe shrunk further so each run takes seconds
     "code_max_mb=0.3 prose_max_mb=0.2 heldout_mod=4 vocab_size=384 hidden_size=32 intermediate_size=64 num_layers=2 "

@@ -20,11 +20,12 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from proposers import load_proposer
+from draftsmith.proposers import load_proposer
 
-from .decoder import SpeculativeDecoder
+from ..decoder import SpeculativeDecoder
+from ..target import load_target
 from .domains import Prompt, load_domain
-from .stats import DecodeStats
+from ..stats import DecodeStats
 
 PLAIN = "plain"
 
@@ -115,8 +116,6 @@ class Record:
 
 def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
     """Run the evaluation and write its files; return the summary."""
-    from .cli import load_target
-
     if config.threads:
         torch.set_num_threads(config.threads)
     model, tokenizer = load_target(config.target)

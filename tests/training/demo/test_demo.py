@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from training.corpus import Document
-from training.demo import build_domains, run_demo
+from draftsmith.training.demo.corpus import Document
+from draftsmith.training.demo.run import build_domains, run_demo
 
 
 def test_domains_are_built_from_the_documents_given(tmp_path):

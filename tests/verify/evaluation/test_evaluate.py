@@ -7,9 +7,9 @@ import json
 import pytest
 import yaml
 
-from verify.cli import main
-from verify.domains import load_domain
-from verify.evaluate import EvalConfig, evaluate
+from draftsmith.training.cli import main
+from draftsmith.verify.evaluation.domains import load_domain
+from draftsmith.verify.evaluation.evaluate import EvalConfig, evaluate
 
 
 @pytest.fixture()

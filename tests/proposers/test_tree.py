@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from proposers.base import Draft
-from verify.target import Target
-from verify.tree import ancestor_matrix, children_lists, node_depths, path_to, prune_depth, tree_attention_mask, tree_position_ids
+from draftsmith.proposers.base import Draft
+from draftsmith.verify.target import Target
+from draftsmith.proposers.tree import ancestor_matrix, children_lists, node_depths, path_to, prune_depth, tree_attention_mask, tree_position_ids
 
 PARENTS = [-1, -1, 0, 0, 2, 1, -1]
 

@@ -6,7 +6,7 @@ import json
 
 import yaml
 
-from verify.cli import main
+from draftsmith.training.cli import main
 
 
 def test_generate_prints_json_with_stats(tiny_target_dir, tmp_path, capsys):

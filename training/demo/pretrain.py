@@ -1,13 +1,13 @@
 """Pretrain the offline demo target: a small Llama trained on text found on this machine.
 
-    accelerate launch -m training.pretrain --config recipes/demo_target.yaml [key=value ...]
-    python -m training.pretrain --config recipes/demo_target_quick.yaml
+    accelerate launch -m training.demo.pretrain --config recipes/demo_target.yaml [key=value ...]
+    python -m training.demo.pretrain --config recipes/demo_target_quick.yaml
 
 Stages, each cached under ``work_dir`` in a directory named after a hash of the
 config keys it depends on, and skipped when its finished artefact is present:
 
-1. corpus     ``corpus-<h>/manifest.json``      (training.corpus: code + prose, train / held-out)
-2. tokenizer  ``tokenizer-<h>/``                (training.tokenizer: byte-level BPE + chat template)
+1. corpus     ``corpus-<h>/manifest.json``      (training.demo.corpus: code + prose, train / held-out)
+2. tokenizer  ``tokenizer-<h>/``                (training.demo.tokenizer: byte-level BPE + chat template)
 3. tokens     ``tokens-<h>/meta.json``          (uint16 streams of ``<|bos|> doc <|eos|>``)
 4. model      ``output_dir/heldout_loss.json``  (training loop with checkpoints in ``run-<h>/``)
 
@@ -34,7 +34,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from training.common import (
+from draftsmith.training.common import (
     TrainState,
     all_agree,
     config_hash,
@@ -48,9 +48,9 @@ from training.common import (
     save_checkpoint,
     sigterm_as_interrupt,
 )
-from training.common import config_from_dict as _config_from_dict
-from training.corpus import DOMAINS, SPLITS, Document, collect_corpus
-from training.tokenizer import build_tokenizer
+from draftsmith.training.common import config_from_dict as _config_from_dict
+from draftsmith.training.demo.corpus import DOMAINS, SPLITS, Document, collect_corpus
+from draftsmith.training.demo.tokenizer import build_tokenizer
 
 
 @dataclass
@@ -59,7 +59,7 @@ class PretrainConfig:
 
     output_dir: str = "recipes/demo_target"  # the shipped model, tokenizer, curves
     work_dir: str = ".cache/draftsmith/demo_target"  # stage caches and checkpoints
-    # corpus (training.corpus)
+    # corpus (training.demo.corpus)
     code_max_mb: float = 12.0  # cap on kept code text, MB of UTF-8
     prose_max_mb: float = 12.0  # cap on kept prose text
     heldout_mod: int = 20  # a file is held out when sha1(path) % heldout_mod == 0

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import yaml
 
-from training import pretrain
-from training.corpus import Document
+from draftsmith.training.demo import pretrain
+from draftsmith.training.demo.corpus import Document
 
 RECIPES = Path("recipes")
 DEMO_TARGET = RECIPES / "demo_target"
@@ -99,8 +99,8 @@ def trained_drafts(target_dir: Path) -> dict[str, dict]:
 
 def run_demo(quick: bool = False, output_dir: str = "outputs/demo", num_prompts: int = 8, max_new_tokens: int = 64) -> dict:
     """Build or reuse the target, write the domains, run the evaluation; return its summary."""
-    from proposers import REGISTRY
-    from verify.evaluate import EvalConfig, evaluate
+    from draftsmith.proposers import REGISTRY
+    from draftsmith.verify.evaluation.evaluate import EvalConfig, evaluate
 
     target_dir = ensure_target(quick)
     block = json.loads((target_dir / "config.json").read_text()).get("max_position_embeddings", 256)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from proposers.base import Draft
+from .base import Draft
 
 
 def validate_draft(draft: Draft, vocab_size: int) -> None:
