@@ -1,6 +1,6 @@
 """Proposers: cheap guesses of the next tokens, behind one interface."""
 
-from .base import Draft, ProposeContext, Proposer, SamplingParams, TargetFeatures, VerifyResult, logits_to_probs
+from .base import Draft, ProposeContext, Proposer, SamplingParams, TargetFeatures, TransformersPeer, VerifyResult, logits_to_probs
 from .config import REGISTRY, load_proposer
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "REGISTRY",
     "SamplingParams",
     "TargetFeatures",
+    "TransformersPeer",
     "VerifyResult",
     "load_proposer",
     "logits_to_probs",

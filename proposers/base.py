@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -193,6 +193,21 @@ class VerifyResult:
         return self.accepted_tokens + [self.next_token]
 
 
+@dataclass(frozen=True)
+class TransformersPeer:
+    """transformers' own implementation of a proposer's method, which evaluation runs beside it.
+
+    Args:
+        name: the method's name in tables (``hf_assisted``, ``hf_prompt_lookup``); a row is
+            named ``name[proposer row]``.
+        generate_kwargs: the keyword arguments that select the method in
+            ``model.generate`` (``{"assistant_model": draft}``, ``{"prompt_lookup_num_tokens": k, ...}``).
+    """
+
+    name: str
+    generate_kwargs: dict[str, Any]
+
+
 @runtime_checkable
 class Proposer(Protocol):
     """Guesses the next tokens cheaply; the verifier keeps what the target agrees with.
@@ -213,3 +228,6 @@ class Proposer(Protocol):
 
     def observe(self, result: VerifyResult, features: TargetFeatures | None) -> None:
         """Learn what was committed; ``features`` covers the scored root + accepted nodes."""
+
+    def transformers_peer(self) -> TransformersPeer | None:
+        """transformers' own version of this method, for side-by-side evaluation (None: it has none)."""

@@ -18,7 +18,17 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from .base import Draft, ProposeContext, SamplingParams, TargetFeatures, VerifyResult, crop_cache, logits_to_probs, output_vocab_size
+from .base import (
+    Draft,
+    ProposeContext,
+    SamplingParams,
+    TargetFeatures,
+    TransformersPeer,
+    VerifyResult,
+    crop_cache,
+    logits_to_probs,
+    output_vocab_size,
+)
 from .lean_forward import LeanForward
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -114,6 +124,10 @@ class DraftModelProposer:
             target=target,
             lean_forward=lean_forward,
         )
+
+    def transformers_peer(self) -> TransformersPeer:
+        """transformers' assisted generation with the same draft model."""
+        return TransformersPeer("hf_assisted", {"assistant_model": self.model})
 
     @property
     def cache_len(self) -> int:

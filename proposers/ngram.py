@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Draft, ProposeContext, TargetFeatures, VerifyResult
+from .base import Draft, ProposeContext, TargetFeatures, TransformersPeer, VerifyResult
 
 
 class NgramProposer:
@@ -44,6 +44,12 @@ class NgramProposer:
 
     def observe(self, result: VerifyResult, features: TargetFeatures | None) -> None:
         pass  # the index catches up from context.tokens in propose()
+
+    def transformers_peer(self) -> TransformersPeer | None:
+        """transformers' prompt lookup with the same depth and longest n-gram (chains only: it has no trees)."""
+        if self.branches > 1:
+            return None
+        return TransformersPeer("hf_prompt_lookup", {"prompt_lookup_num_tokens": self.k, "max_matching_ngram_size": self.max_n})
 
     def propose(self, context: ProposeContext) -> Draft:
         tokens = context.tokens

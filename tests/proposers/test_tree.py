@@ -6,7 +6,15 @@ import torch
 
 from draftsmith.proposers.base import Draft
 from draftsmith.verify.target import Target
-from draftsmith.proposers.tree import ancestor_matrix, children_lists, node_depths, path_to, prune_depth, tree_attention_mask, tree_position_ids
+from draftsmith.proposers.tree import (
+    ancestor_matrix,
+    children_lists,
+    node_depths,
+    path_to,
+    prune_depth,
+    tree_attention_mask,
+    tree_position_ids,
+)
 
 PARENTS = [-1, -1, 0, 0, 2, 1, -1]
 
