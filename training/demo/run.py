@@ -116,6 +116,7 @@ def run_demo(quick: bool = False, output_dir: str = "outputs/demo", num_prompts:
         num_prompts=num_prompts,
         prompt_tokens=prompt_tokens,
         max_new_tokens=max_new_tokens,
+        peers=True,  # transformers' prompt lookup / assisted generation beside the proposers that declare them
         output_dir=output_dir,
         # The demo models are tiny: one intra-op thread is as fast, and two thrash
         # whenever anything else runs on the machine.

@@ -1,9 +1,10 @@
 """Per-domain evaluation: tau, acceptance by depth, speedup over plain decoding, as files.
 
 ``draftsmith eval --config recipes/eval_*.yaml`` runs every configured proposer, plain
-decoding and transformers' own assisted generation / prompt lookup (as peers) on the
-same prompts, interleaved prompt by prompt so machine-load drift hits all alike, and
-writes per-prompt JSONL, a summary JSON, a Markdown table and PNG plots.
+decoding and the transformers peer each proposer declares (``Proposer.transformers_peer``:
+assisted generation, prompt lookup) on the same prompts, interleaved prompt by prompt so
+machine-load drift hits all alike, and writes per-prompt JSONL, a summary JSON, a
+Markdown table and PNG plots.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ from typing import Any
 
 import torch
 import yaml
+from draftsmith.proposers import load_proposer
+from draftsmith.proposers.base import TransformersPeer
 from tqdm.auto import tqdm
 
-from draftsmith.proposers import load_proposer
-
 from ..decoder import SpeculativeDecoder
+from ..stats import DecodeStats
 from ..target import load_target
 from .domains import Prompt, load_domain
-from ..stats import DecodeStats
 
 PLAIN = "plain"
 
@@ -38,10 +39,8 @@ class EvalConfig:
         target: directory of the target model and tokenizer (``save_pretrained``).
         domains: domain name -> JSONL / text file or directory of prompts.
         proposers: row name -> proposer config (``{"type": ..., ...}``).
-        hf_prompt_lookup: transformers' prompt lookup as a peer: ``{"num_tokens": k,
-            "max_ngram": n}``, or None to leave it out.
-        hf_assisted: also run transformers' ``assistant_model=`` with the model of every
-            ``draft_model`` proposer.
+        peers: also run the transformers peer every proposer declares, in a row named
+            ``peer[proposer row]`` (``hf_assisted[demo_draft]``, ``hf_prompt_lookup[ngram]``).
         num_prompts, prompt_tokens, max_new_tokens: per domain.
         temperature, top_k, top_p, seed: sampling (temperature 0 = greedy).
         output_dir: where the results go.
@@ -51,8 +50,7 @@ class EvalConfig:
     target: str
     domains: dict[str, str]
     proposers: dict[str, dict[str, Any]] = field(default_factory=dict)
-    hf_prompt_lookup: dict[str, int] | None = field(default_factory=lambda: {"num_tokens": 5, "max_ngram": 3})
-    hf_assisted: bool = True
+    peers: bool = True
     num_prompts: int = 8
     prompt_tokens: int = 128
     max_new_tokens: int = 64
@@ -154,27 +152,24 @@ def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
 
 
 def build_methods(config: EvalConfig, model, tokenizer) -> dict[str, Callable]:
-    """Row name -> fn(prompt, index) -> (new tokens, Record, DecodeStats | None); plain first."""
-    sampling = dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
+    """Row name -> fn(prompt, index) -> (new tokens, Record, DecodeStats | None).
+
+    Plain decoding first, then every proposer, then the transformers peers they declare
+    (with ``config.peers``); a proposer without ``transformers_peer`` has none.
+    """
     methods = {PLAIN: _ours(SpeculativeDecoder(model), PLAIN, config, tokenizer)}
-    drafts = {}
+    peers: dict[str, TransformersPeer] = {}
     for name, proposer_config in config.proposers.items():
         proposer = load_proposer(proposer_config, target=model)
         methods[name] = _ours(SpeculativeDecoder(model, proposer), name, config, tokenizer)
-        if proposer_config.get("type") == "draft_model":
-            drafts[name] = proposer.model
+        declare = getattr(proposer, "transformers_peer", None)
+        peer = declare() if config.peers and declare is not None else None
+        if peer is not None:
+            peers[f"{peer.name}[{name}]"] = peer
     # The hook costs every forward a Python call, ours included: only install it for peers.
-    counter = _ForwardCounter(model) if config.hf_prompt_lookup or (config.hf_assisted and drafts) else None
-    if config.hf_prompt_lookup:
-        lookup = dict(
-            prompt_lookup_num_tokens=config.hf_prompt_lookup["num_tokens"], max_matching_ngram_size=config.hf_prompt_lookup["max_ngram"]
-        )
-        methods["hf_prompt_lookup"] = _hf(model, counter, "hf_prompt_lookup", config, tokenizer, {**sampling, **lookup})
-    if config.hf_assisted:
-        for name, draft in drafts.items():
-            methods[f"hf_assisted[{name}]"] = _hf(
-                model, counter, f"hf_assisted[{name}]", config, tokenizer, {**sampling, "assistant_model": draft}
-            )
+    counter = _ForwardCounter(model) if peers else None
+    for row, peer in peers.items():
+        methods[row] = _hf(model, counter, row, config, tokenizer, peer.generate_kwargs)
     return methods
 
 
@@ -225,16 +220,14 @@ class _ForwardCounter:
         self.calls += 1
 
 
-def _hf(model, counter: _ForwardCounter, name: str, config: EvalConfig, tokenizer, kwargs: dict) -> Callable:
+def _hf(model, counter: _ForwardCounter, name: str, config: EvalConfig, tokenizer, generate_kwargs: dict) -> Callable:
+    do_sample = config.temperature > 0
+    gen_kwargs = dict(generate_kwargs, do_sample=do_sample)
+    if do_sample:  # greedy takes no sampling settings; transformers' "no top-k" is None, ours 0
+        gen_kwargs.update(temperature=config.temperature, top_k=config.top_k or None, top_p=config.top_p)
+
     def run(prompt: Prompt, index: int):
         torch.manual_seed(config.seed + index)
-        do_sample = config.temperature > 0
-        gen_kwargs = dict(kwargs, do_sample=do_sample)
-        if not do_sample:
-            for key in ("temperature", "top_k", "top_p"):
-                gen_kwargs.pop(key)
-        elif not gen_kwargs["top_k"]:
-            gen_kwargs["top_k"] = None
         before = counter.calls
         start = time.perf_counter()
         out = model.generate(

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+from dataclasses import replace
 
 import pytest
 import yaml
-
+from draftsmith.proposers import load_proposer
+from draftsmith.proposers.base import Draft
 from draftsmith.training.cli import main
 from draftsmith.verify.evaluation.domains import load_domain
-from draftsmith.verify.evaluation.evaluate import EvalConfig, evaluate
+from draftsmith.verify.evaluation.evaluate import EvalConfig, build_methods, evaluate
+from draftsmith.verify.target import load_target
 
 
 @pytest.fixture()
@@ -41,7 +45,7 @@ def test_eval_writes_every_output_with_the_right_fields(tiny_target_dir, domain_
     for name in ("records.jsonl", "summary.json", "table.md", "tau_speedup.png", "acceptance_by_depth.png"):
         assert (out / name).stat().st_size > 0, name
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
-    methods = {"plain", "ngram", "ngram_tree", "hf_prompt_lookup"}
+    methods = {"plain", "ngram", "ngram_tree", "hf_prompt_lookup[ngram]"}  # a tree has no transformers peer
     assert {r["method"] for r in records} == methods
     assert len(records) == len(methods) * (2 + 1 + 1)  # code: 2 prompts, chat: 1, prose: 1
     for r in records:
@@ -55,6 +59,46 @@ def test_eval_writes_every_output_with_the_right_fields(tiny_target_dir, domain_
     assert "| code | ngram |" in (out / "table.md").read_text()
 
 
+class PeerlessProposer:
+    """A proposer written before ``transformers_peer`` existed: it declares no peer."""
+
+    hidden_layers = ()
+
+    def begin(self, prompt, features):
+        pass
+
+    def propose(self, context):
+        return Draft.empty()
+
+    def observe(self, result, features):
+        pass
+
+
+def test_peers_are_what_the_proposers_declare(tiny_target_dir, monkeypatch):
+    model, tokenizer = load_target(tiny_target_dir)
+
+    def load(config, target):
+        return PeerlessProposer() if config["type"] == "old" else load_proposer(config, target=target)
+
+    # the package exports the function evaluate(), which hides its module of the same name
+    monkeypatch.setattr(importlib.import_module("draftsmith.verify.evaluation.evaluate"), "load_proposer", load)
+    proposers = {
+        "ngram": {"type": "ngram", "k": 3, "max_n": 2},
+        "ngram_tree": {"type": "ngram", "branches": 2},
+        "draft": {"type": "draft_model", "model": str(tiny_target_dir)},
+        "old": {"type": "old"},
+    }
+    config = EvalConfig(target=str(tiny_target_dir), domains={"code": "unused"}, proposers=proposers)
+    hooks = len(model._forward_pre_hooks)
+    methods = build_methods(config, model, tokenizer)
+    assert list(methods) == ["plain", "ngram", "ngram_tree", "draft", "old", "hf_prompt_lookup[ngram]", "hf_assisted[draft]"]
+    assert len(model._forward_pre_hooks) == hooks + 1  # the forward counter, for the peers' tau
+    model, tokenizer = load_target(tiny_target_dir)
+    methods = build_methods(replace(config, peers=False), model, tokenizer)
+    assert list(methods) == ["plain", "ngram", "ngram_tree", "draft", "old"]
+    assert not model._forward_pre_hooks  # no peer, no hook on our own forwards
+
+
 def test_cli_eval_with_overrides(tiny_target_dir, domain_files, tmp_path, capsys):
     config = tmp_path / "eval.yaml"
     config.write_text(yaml.safe_dump({"target": str(tiny_target_dir), "domains": {"code": domain_files["code"]}, "proposers": {}}))
@@ -66,7 +110,7 @@ def test_cli_eval_with_overrides(tiny_target_dir, domain_files, tmp_path, capsys
         f"output_dir={out}",
         "num_prompts=1",
         "max_new_tokens=4",
-        "hf_prompt_lookup=null",
+        "peers=false",
         "--no-progress",
     ]
     assert main(argv) == 0
