@@ -1,61 +1,277 @@
-"""Build a proposer from a config: a dict or a YAML file naming a family by ``type``.
+"""One strict, typed loader for every config: proposer configs, eval configs, training recipes.
 
-Unknown types and unknown keys are errors that list what is valid.
+A config is a mapping (a dict, or a YAML file holding one) whose keys are the parameters
+of a *schema*: a dataclass (nested dataclasses are sections), or a constructor with
+annotated parameters (proposers take plain values, so their config is their signature,
+never a copy of it). ``build`` checks every key against the schema: an unknown key fails
+with the list of valid ones, a missing required key fails, and a value of the wrong type
+fails, each in one line that names the key. ``key=value`` / ``section.key=value``
+overrides apply on top of a file (values parsed as YAML).
+
+It lives in the bottom layer so that ``proposers``, ``verify`` and ``training`` all use it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
+import types
+import typing
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from .base import Proposer
 
-#: type name -> "module:Class". Classes may define ``from_config(target=..., **kwargs)``
-#: when they need the target model (vocabulary checks, hidden sizes).
+
+class ConfigError(ValueError):
+    """A config that cannot be used as given; the message is one line naming the key or file."""
+
+
+#: proposer type name -> "module:Class"; the class's constructor is the config's schema.
 REGISTRY: dict[str, str] = {
     "ngram": "draftsmith.proposers.ngram:NgramProposer",
     "draft_model": "draftsmith.proposers.draft_model:DraftModelProposer",
 }
 
 
-def load_proposer(config: dict[str, Any] | str | Path, target=None) -> Proposer:
+def load_proposer(config: Mapping[str, Any] | str | Path, target=None) -> Proposer:
     """Build the proposer a config describes.
 
     Args:
-        config: ``{"type": name, **constructor kwargs}`` or the path of a YAML file
+        config: ``{"type": name, **constructor arguments}`` or the path of a YAML file
             holding that mapping.
-        target: the target model, for families that check or use it.
+        target: the target model, passed to constructors that take a ``target`` argument
+            (vocabulary checks, hidden sizes); it is not a config key.
     """
-    config = read_config(config)
-    kind = config.get("type")
-    if kind not in REGISTRY:
-        raise ValueError(f"unknown proposer type {kind!r}; available: {sorted(REGISTRY)}")
-    module, name = REGISTRY[kind].split(":")
-    cls = getattr(importlib.import_module(module), name)
-    kwargs = {k: v for k, v in config.items() if k != "type"}
-    factory = getattr(cls, "from_config", cls)
-    valid = [p for p in inspect.signature(factory).parameters if p not in ("self", "target")]
-    unknown = sorted(set(kwargs) - set(valid))
-    if unknown:
-        raise ValueError(f"unknown key(s) {unknown} for proposer type {kind!r}; valid keys: {valid}")
-    if factory is cls:
-        return cls(**kwargs)
-    return factory(target=target, **kwargs)
+    values = read_config(config, what="proposer config")
+    cls = resolve_type(values, REGISTRY, "proposer")
+    where = f"proposer type {values['type']!r}"
+    return build(cls, {k: v for k, v in values.items() if k != "type"}, where, inject={"target": target})
 
 
-def read_config(config: dict[str, Any] | str | Path) -> dict[str, Any]:
-    """Return the config mapping, reading it from YAML when given a path."""
+def resolve_type(values: Mapping[str, Any], registry: Mapping[str, str | type], what: str):
+    """The class that ``values["type"]`` names in ``registry`` (``"module:Class"`` strings are imported)."""
+    kind = values.get("type")
+    if kind not in registry:
+        raise ConfigError(f"unknown {what} type {kind!r}; available: {sorted(registry)}")
+    entry = registry[kind]
+    if isinstance(entry, str):
+        module, name = entry.split(":")
+        entry = getattr(importlib.import_module(module), name)
+    return entry
+
+
+# --- reading -----------------------------------------------------------------------
+
+
+def read_yaml(path: str | Path, what: str = "config") -> dict[str, Any]:
+    """The mapping in a YAML file; a missing file, a syntax error or a non-mapping is one line naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    try:
+        values = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{what} {path} is not valid YAML{at}: {problem}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {path} is not UTF-8 text") from None
+    values = {} if values is None else values
+    if not isinstance(values, dict):
+        raise ConfigError(f"{what} {path} must hold a mapping of keys, got {type(values).__name__}")
+    return values
+
+
+def read_config(config: Mapping[str, Any] | str | Path, what: str = "config") -> dict[str, Any]:
+    """The config mapping, read from YAML when given a path."""
     if isinstance(config, (str, Path)):
-        path = Path(config)
-        if not path.is_file():
-            raise FileNotFoundError(f"proposer config {path} does not exist")
-        config = yaml.safe_load(path.read_text())
-        if not isinstance(config, dict):
-            raise ValueError(f"proposer config {path} must hold a mapping with a 'type' key, got {type(config).__name__}")
-    if not isinstance(config, dict):
-        raise TypeError(f"proposer config must be a dict or a YAML path, got {type(config).__name__}")
+        return read_yaml(config, what)
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"{what} must be a mapping or a YAML path, got {type(config).__name__}")
     return dict(config)
+
+
+def apply_overrides(values: Mapping[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """``values`` with ``key=value`` / ``section.key=value`` strings applied (values parsed as YAML)."""
+    values = dict(values)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not key=value")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML") from None
+        *sections, last = key.strip().split(".")
+        node = values
+        for section in sections:
+            child = node.get(section)
+            node[section] = child = dict(child) if isinstance(child, Mapping) else {}
+            node = child
+        node[last] = value
+    return values
+
+
+def load(schema, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), what: str = "config"):
+    """Read a YAML file (None: no file, the defaults), apply overrides, build ``schema`` from it."""
+    values = read_yaml(path, what) if path is not None else {}
+    where = f"{what} {path}" if path is not None else what
+    return build(schema, apply_overrides(values, overrides), where)
+
+
+# --- building ----------------------------------------------------------------------
+
+
+def build(schema, values: Mapping[str, Any], where: str = "config", inject: Mapping[str, Any] | None = None, prefix: str = ""):
+    """Call ``schema`` (a dataclass or an annotated callable) with ``values`` checked against its parameters.
+
+    Args:
+        schema: a dataclass, or a class / function whose parameters are annotated.
+        values: key -> value, as read from YAML.
+        where: what the values come from, for messages ("proposer type 'ngram'", a file).
+        inject: arguments supplied by the caller, not by the config (e.g. ``target``):
+            passed when the schema takes them, and never accepted as config keys.
+        prefix: dotted path of this section, for messages.
+    """
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{where}: {prefix.rstrip('.') or 'the config'} must be a mapping of keys, got {values!r}")
+    params = schema_parameters(schema)
+    injected = {k: v for k, v in (inject or {}).items() if k in params}
+    settable = [name for name in params if name not in (inject or {})]
+    unknown = sorted(str(k) for k in set(values) - set(settable))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {[prefix + k for k in unknown]}; valid keys: {[prefix + k for k in settable]}")
+    missing = [prefix + k for k in settable if params[k][1] is REQUIRED and k not in values]
+    if missing:
+        raise ConfigError(f"{where}: missing required key(s) {missing}")
+    checked = {key: check_value(value, params[key][0], prefix + key, where) for key, value in values.items()}
+    try:
+        return schema(**checked, **injected)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as err:  # a constructor's own range checks name the argument
+        raise ConfigError(f"{where}: {err}") from None
+
+
+REQUIRED = inspect.Parameter.empty
+
+
+def schema_parameters(schema) -> dict[str, tuple[Any, Any]]:
+    """name -> (type hint, default or ``REQUIRED``) of a dataclass's fields or a callable's parameters."""
+    if dataclasses.is_dataclass(schema):
+        hints = typing.get_type_hints(schema)
+        out = {}
+        for f in dataclasses.fields(schema):
+            if not f.init:
+                continue
+            has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            out[f.name] = (hints[f.name], None if has_default else REQUIRED)
+        return out
+    init = schema.__init__ if inspect.isclass(schema) else schema
+    hints = typing.get_type_hints(init)
+    out = {}
+    for name, param in inspect.signature(schema).parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        out[name] = (hints.get(name, Any), param.default)
+    return out
+
+
+def check_value(value, hint, name: str, where: str = "config"):
+    """``value`` checked against the type ``hint`` (converted where YAML is loose: 1 for 1.0, "1e-3"); else ConfigError."""
+    try:
+        return _check(value, hint, name, where)
+    except _Mismatch:
+        raise ConfigError(f"{where}: key {name!r}: expected {describe(hint)}, got {value!r}") from None
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _check(value, hint, name: str, where: str):
+    if hint is Any or hint is object:
+        return value
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        for option in sorted(args, key=lambda a: a is str):  # str last: "1e-3" should read as a float first
+            try:
+                return _check(value, option, name, where)
+            except _Mismatch:
+                continue
+        raise _Mismatch
+    if hint is type(None):
+        if value is None:
+            return None
+        raise _Mismatch
+    if origin is Literal:
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+        raise ConfigError(f"{where}: key {name!r}: {value!r} is not one of {list(args)}")
+    if dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):
+            return value
+        return build(hint, value, where, prefix=name + ".")
+    if origin in (list, tuple):
+        if isinstance(value, str) and args and args[0] is str:
+            value = [value]  # a single path is a list of one
+        if not isinstance(value, (list, tuple)):
+            raise _Mismatch
+        item = args[0] if args else Any
+        items = [_check(v, item, f"{name}[{i}]", where) for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin in (dict, Mapping) or hint in (dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise _Mismatch
+        key_hint, value_hint = args if args else (Any, Any)
+        return {_check(k, key_hint, name, where): _check(v, value_hint, f"{name}.{k}", where) for k, v in value.items()}
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
+            except ValueError:
+                raise _Mismatch from None
+        raise _Mismatch
+    if hint is Path:
+        if isinstance(value, (str, Path)):
+            return Path(value)
+        raise _Mismatch
+    if isinstance(hint, type):
+        if isinstance(value, hint):
+            return value
+        raise _Mismatch
+    return value  # an unusual annotation (a TypeVar, a string that did not resolve): not checked
+
+
+def describe(hint) -> str:
+    """A type hint in words for messages: ``int``, ``float or None``, ``list of str``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(describe(a) for a in args)
+    if hint is type(None):
+        return "None"
+    if origin is Literal:
+        return f"one of {list(args)}"
+    if origin in (list, tuple):
+        return f"a list of {describe(args[0])}" if args else "a list"
+    if origin in (dict, Mapping) or hint in (dict, Mapping):
+        return "a mapping"
+    if dataclasses.is_dataclass(hint):
+        return f"a mapping of {hint.__name__} keys"
+    return getattr(hint, "__name__", str(hint))

@@ -1,129 +1,42 @@
-"""What every trainer shares: strict YAML recipes, atomic checkpoints with resume, the schedule, the loss curve.
+"""What every trainer shares: config hashes, atomic checkpoints with resume, atomic exports, the schedule, the loss curve.
 
-A recipe is a dataclass (nested dataclasses are sections); ``load_recipe`` reads YAML,
-applies ``key=value`` overrides (``section.key=value`` for nested keys) and rejects
-unknown keys with the list of valid ones. A run directory holds
+Recipes are read by the project's one config loader (``draftsmith.proposers.config``). A run directory holds
 ``checkpoints/step_<n>/`` written by ``accelerator.save_state`` into a temporary
 directory and renamed when complete, so an interrupt never leaves half a checkpoint.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
 import os
 import shutil
 import signal
-import types
-import typing
 from pathlib import Path
 
 import torch
-import yaml
 from accelerate import Accelerator
 
-# --- recipes -------------------------------------------------------------
+# --- configs ---------------------------------------------------------------
 
 
-def config_from_dict(cls: type, values: dict, choices: dict[str, tuple] | None = None, prefix: str = ""):
-    """An instance of the dataclass ``cls`` from plain values; unknown keys and wrong types fail.
-
-    Args:
-        cls: a dataclass; fields whose type is a dataclass are sections (nested mappings).
-        values: ``{key: value}``, as read from YAML.
-        choices: dotted key -> allowed values (e.g. ``{"mixed_precision": ("no", "bf16")}``).
-        prefix: dotted path of this section, for messages.
-    """
-    choices = choices or {}
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(values) - set(names))
-    if unknown:
-        raise ValueError(f"unknown config key(s) {[prefix + k for k in unknown]}; valid keys: {sorted(prefix + n for n in names)}")
-    checked = {}
-    for key, value in values.items():
-        name = prefix + key
-        if dataclasses.is_dataclass(hints[key]):
-            if not isinstance(value, dict):
-                raise ValueError(f"config key {name}: expected a mapping of {hints[key].__name__} keys, got {value!r}")
-            checked[key] = config_from_dict(hints[key], value, choices, prefix=name + ".")
-            continue
-        value = _check_type(value, hints[key], name)
-        if name in choices and value not in choices[name]:
-            raise ValueError(f"config key {name}: {value!r} is not one of {list(choices[name])}")
-        checked[key] = value
-    return cls(**checked)
-
-
-def _check_type(value, hint, name: str):
-    """``value`` converted to ``hint`` where YAML is loose (ints for floats, "1e-3"), else ValueError."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (types.UnionType, typing.Union):
-        if value is None and type(None) in args:
-            return None
-        (hint,) = [a for a in args if a is not type(None)]
-        origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is list:
-        items = [value] if isinstance(value, str) else value  # a single path is a list of one
-        if not isinstance(items, list):
-            raise ValueError(f"config key {name}: expected a list, got {value!r}")
-        return [_check_type(item, args[0], name) for item in items]
-    if hint is float and isinstance(value, (int, str)) and not isinstance(value, bool):
-        try:
-            value = float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
-        except ValueError:
-            pass
-    kind = origin or hint
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ValueError(f"config key {name}: expected {getattr(hint, '__name__', hint)}, got {value!r}")
-    return value
-
-
-def apply_overrides(values: dict, overrides: list[str] | tuple[str, ...]) -> dict:
-    """``values`` with ``key=value`` / ``section.key=value`` strings applied (values parsed as YAML)."""
-    values = dict(values)
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep:
-            raise ValueError(f"override {item!r} is not key=value")
-        *sections, last = key.strip().split(".")
-        node = values
-        for section in sections:
-            child = node.get(section)
-            node[section] = child = dict(child) if isinstance(child, dict) else {}
-            node = child
-        node[last] = yaml.safe_load(text)
-    return values
-
-
-def load_recipe(cls: type, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), choices: dict | None = None):
-    """Read a YAML recipe into the dataclass ``cls`` and apply ``key=value`` overrides; unknown keys fail.
-
-    Args:
-        cls: the recipe dataclass.
-        path: YAML file of its keys (None = the defaults).
-        overrides: ``["key=value", "section.key=value", ...]`` applied after the file.
-        choices: dotted key -> allowed values.
-    """
-    if path is not None and not Path(path).is_file():
-        raise FileNotFoundError(f"recipe {path} does not exist")
-    values = (yaml.safe_load(Path(path).read_text()) if path else None) or {}
-    if not isinstance(values, dict):
-        raise ValueError(f"recipe {path} must hold a mapping of keys, got {type(values).__name__}")
-    return config_from_dict(cls, apply_overrides(values, overrides), choices)
-
-
-def flatten(values: dict, prefix: str = "") -> dict:
+def flatten(values: dict, prefix: str = "", sep: str = ".") -> dict:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
     flat = {}
     for key, value in values.items():
         if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
+            flat.update(flatten(value, f"{prefix}{key}{sep}", sep))
         else:
             flat[prefix + key] = value
     return flat
+
+
+def file_signature(path: str | Path) -> list:
+    """What identifies a model directory's weights without reading them: resolved path, size and mtime of its first safetensors file."""
+    weights = next(iter(sorted(Path(path).glob("*.safetensors"))), Path(path) / "config.json")
+    stat = weights.stat()
+    return [str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns]
 
 
 def config_hash(values: dict, keys: tuple[str, ...] | None = None, exclude: set[str] = frozenset()) -> str:
@@ -216,6 +129,31 @@ def resume(accelerator: Accelerator, run_dir: Path, state: TrainState) -> Path |
     accelerator.load_state(str(found[-1]))
     accelerator.print(f"resumed from {found[-1]} (step {state.step})")
     return found[-1]
+
+
+def export_atomically(out: Path, write) -> Path:
+    """Run ``write(directory)`` into a fresh sibling of ``out``, then swap it in: ``out`` is old or new, never half-written.
+
+    An existing ``out`` is renamed aside, the new directory renamed into place, and the old one
+    removed. A kill between the two renames leaves the old directory as ``.<name>.old``; the
+    next export puts it back before it starts.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial, old = out.with_name(f".{out.name}.partial"), out.with_name(f".{out.name}.old")
+    if old.exists() and not out.exists():
+        os.replace(old, out)  # restore what an interrupted swap set aside
+    for leftover in (partial, old):
+        if leftover.exists():
+            shutil.rmtree(leftover)
+    partial.mkdir()
+    write(partial)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(partial, out)
+    if old.exists():
+        shutil.rmtree(old)
+    return out
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -15,20 +15,50 @@ import os
 import random
 import re
 import shutil
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from datasets import Dataset, load_dataset, load_from_disk
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from draftsmith.training.common import config_hash
+from draftsmith.training.common import config_hash, file_signature
 
 if TYPE_CHECKING:
-    from draftsmith.training.train import SelfDistillConfig, TrainConfig
+    from draftsmith.training.train import TrainConfig
+
+
+@dataclass
+class SelfDistillConfig:
+    """Replace the data's continuations by the target's own (greedy or sampled), cached on disk."""
+
+    enabled: bool = False
+    num_prompts: int = 256  # text: windows of the documents; chat: conversations (up to their last assistant turn)
+    prompt_tokens: int = 64  # text only: tokens per prompt window
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    batch_size: int = 16  # prompts per target.generate call
+    cache_dir: str = ".cache/draftsmith/self_distill"
+
+
+@dataclass
+class DataConfig:
+    """Local files read with ``datasets``: ``.txt`` (one document per file) or ``.json`` / ``.jsonl``."""
+
+    format: Literal["text", "chat"] = "text"  # text: packed blocks, loss everywhere | chat: {"messages": [...]}, loss on assistant tokens
+    train_files: list[str] = field(default_factory=list)
+    eval_files: list[str] = field(default_factory=list)
+    text_field: str = "text"  # JSON field of a text document
+    messages_field: str = "messages"  # JSON field of a chat conversation
+    block_size: int = 256  # tokens per packed block / longest conversation kept
+    max_documents: int = 0  # use the first N documents of train_files (0 = all)
+    self_distill: SelfDistillConfig = field(default_factory=SelfDistillConfig)
 
 
 def check_files(files: list[str]) -> None:
@@ -142,9 +172,8 @@ def self_distill(cfg: TrainConfig, files: list[str], rows: Dataset, tokenizer, t
     sd = cfg.data.self_distill
     if sd.max_new_tokens >= cfg.data.block_size:
         raise ValueError(f"self_distill.max_new_tokens={sd.max_new_tokens} leaves no room for a prompt in block_size={cfg.data.block_size}")
-    target_file = next(Path(cfg.target).glob("*.safetensors"), Path(cfg.target) / "config.json")
     key = {
-        "target": [str(Path(cfg.target).resolve()), target_file.stat().st_size, target_file.stat().st_mtime_ns, cfg.target_dtype],
+        "target": [*file_signature(cfg.target), cfg.target_dtype],
         "files": [[str(Path(f).resolve()), Path(f).stat().st_size, Path(f).stat().st_mtime_ns] for f in files],
         "rows": len(rows),
         "data": {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in ("train_files", "eval_files", "self_distill")},
@@ -193,7 +222,8 @@ def generate_continuations(target, tokenizer, prompts: list[list[int]], sd: Self
 
 
 def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a batch: ``input_ids`` ``[batch, longest]`` and ``loss_mask`` (0 on padding).
+    """Right-pad a batch: ``input_ids`` ``[batch, longest]``, ``loss_mask`` (0 on padding), and any captured
+    ``hidden.<layer>`` rows ``[seq, hidden]`` stacked to ``[batch, longest, hidden]`` (zeros on padding).
 
     With causal attention, right padding never changes what a real token sees, so no
     attention mask is needed.
@@ -204,7 +234,13 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     for i, r in enumerate(rows):
         input_ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
         loss_mask[i, : len(r["loss_mask"])] = torch.tensor(r["loss_mask"], dtype=torch.bool)
-    return {"input_ids": input_ids, "loss_mask": loss_mask}
+    batch = {"input_ids": input_ids, "loss_mask": loss_mask}
+    for name in (k for k in rows[0] if k.startswith("hidden.")):
+        stacked = rows[0][name].new_zeros(len(rows), width, rows[0][name].shape[-1])
+        for i, r in enumerate(rows):
+            stacked[i, : len(r[name])] = r[name]
+        batch[name] = stacked
+    return batch
 
 
 def make_loader(rows: Dataset, batch_size: int, pad_id: int) -> DataLoader:

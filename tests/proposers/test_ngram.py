@@ -78,7 +78,7 @@ def test_load_from_dict_and_yaml(tmp_path):
 def test_config_errors_name_valid_choices(tmp_path):
     with pytest.raises(ValueError, match=r"unknown proposer type 'ngarm'; available: \[.*'ngram'"):
         load_proposer({"type": "ngarm"})
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['kk'\] for proposer type 'ngram'; valid keys: \['min_n'"):
+    with pytest.raises(ValueError, match=r"proposer type 'ngram': unknown key\(s\) \['kk'\]; valid keys: \['min_n'"):
         load_proposer({"type": "ngram", "kk": 3})
     with pytest.raises(FileNotFoundError):
         load_proposer(tmp_path / "missing.yaml")

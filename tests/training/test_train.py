@@ -17,78 +17,20 @@ import pytest
 import torch
 from datasets import Dataset
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import draftsmith.training.train as train_module
 from draftsmith.proposers import load_proposer
 from draftsmith.training.data import read_files, render_chat, self_distill
+from draftsmith.training.draft_lm import DraftLMObjective
 from draftsmith.training.losses import forward_kl, masked_mean, reverse_kl, top1_agreement, tvd
-from draftsmith.training.demo.tokenizer import build_tokenizer
-from draftsmith.training.train import build_student, load_config, run
+from draftsmith.training.train import load_config, make_objective, run
 
-REPO = Path(__file__).resolve().parents[2]
-TEXT = "".join(
-    f"def f{i}(x):\n    return x * {i} + {i % 7}\n\nThe fox number {i} jumps over the lazy dog {i % 5} times.\n" for i in range(60)
-)
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory) -> Path:
-    """A tiny random Llama (peaked logits) with the project's chat-template tokenizer, saved to disk."""
-    path = tmp_path_factory.mktemp("target")
-    tokenizer = build_tokenizer([TEXT] * 4, vocab_size=300, model_max_length=64, out_dir=path)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)  # a peaked target: there is something to learn
-    model.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "train.txt"
-    path.write_text(TEXT)
-    return path
-
-
-def tiny_overrides(target_dir: Path, text_file: Path, root: Path, *extra: str) -> list[str]:
-    return [
-        f"target={target_dir}",
-        f"output_dir={root / 'out'}",
-        f"run_dir={root / 'run'}",
-        f"data.train_files=[{text_file}]",
-        "data.eval_files=[]",
-        "data.block_size=32",
-        "student.init.num_layers=1",
-        "student.init.hidden_size=32",
-        "student.init.intermediate_size=64",
-        "student.init.num_heads=4",
-        "student.init.num_kv_heads=2",
-        "batch_size=4",
-        "learning_rate=0.01",
-        "warmup_steps=2",
-        "log_every=1",
-        "checkpoint_every=100",
-        "threads=1",
-        *extra,
-    ]
+from tiny_recipe import REPO, recipe_overrides
 
 
 def tiny_config(target_dir, text_file, root, *extra):
-    return load_config(REPO / "recipes" / "distill_draft_full.yaml", tiny_overrides(target_dir, text_file, root, *extra))
+    return load_config(REPO / "recipes" / "distill_draft_full.yaml", recipe_overrides(target_dir, text_file, root, *extra))
 
 
 def train_losses(out: Path) -> list[float]:
@@ -216,7 +158,7 @@ def test_distillation_lowers_kl_keeps_target_frozen_and_loads_as_a_proposer(targ
     assert not any(p.requires_grad for p in used["target"].parameters())
     # every draft tensor moved away from its initial value
     torch.manual_seed(cfg.seed)
-    initial = build_student(cfg, used["target"], AutoTokenizer.from_pretrained(target_dir)).state_dict()
+    initial = make_objective(cfg).build(used["target"], AutoTokenizer.from_pretrained(target_dir)).state_dict()
     trained = load_file(out / "model.safetensors")
     assert trained and all(not torch.equal(initial[name], tensor) for name, tensor in trained.items())
     # a plain save_pretrained directory that the draft-model proposer loads
@@ -245,7 +187,11 @@ def test_two_processes_split_the_data_and_agree(target_dir, text_file, tmp_path)
     """
     extra = ("max_steps=6", f"data.eval_files=[{text_file}]", "eval_batches=2", "eval_every=3", "checkpoint_every=3")
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "draftsmith.training.train"]
-    args = ["--config", str(REPO / "recipes" / "distill_draft_full.yaml"), *tiny_overrides(target_dir, text_file, tmp_path / "two", *extra)]
+    args = [
+        "--config",
+        str(REPO / "recipes" / "distill_draft_full.yaml"),
+        *recipe_overrides(target_dir, text_file, tmp_path / "two", *extra),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(launch + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -263,9 +209,9 @@ def test_resume_after_interrupt_reproduces_the_uninterrupted_run(target_dir, tex
     # 81 blocks make 27 batches of 3 per epoch; with 2 micro-batches per step, step 14 straddles
     # the epoch end, and the resumed run starts one batch into the second epoch
     extra = ("max_steps=16", "gradient_accumulation_steps=2", "batch_size=3")
-    seen, step = [], train_module.distill_step
+    seen, loss = [], DraftLMObjective.loss
     monkeypatch.setattr(
-        train_module, "distill_step", lambda model, target, batch, *a: seen.append(batch["input_ids"]) or step(model, target, batch, *a)
+        DraftLMObjective, "loss", lambda self, draft, batch, captured: seen.append(batch["input_ids"]) or loss(self, draft, batch, captured)
     )
     whole = run(tiny_config(target_dir, text_file, tmp_path / "whole", *extra))
     monkeypatch.undo()
@@ -297,10 +243,16 @@ def test_lora_trains_adapters_only_and_merges_into_a_plain_checkpoint(target_dir
     cfg = tiny_config(target_dir, text_file, tmp_path / "lora")
     target = AutoModelForCausalLM.from_pretrained(target_dir)
     torch.manual_seed(1)
-    build_student(cfg, target, AutoTokenizer.from_pretrained(target_dir)).save_pretrained(base_dir)
+    make_objective(cfg).build(target, AutoTokenizer.from_pretrained(target_dir)).save_pretrained(base_dir)
     AutoTokenizer.from_pretrained(target_dir).save_pretrained(base_dir)
-    lora = ("lora.enabled=true", "lora.r=4", "lora.merge=true", "lora.target_modules=[q_proj,v_proj,down_proj]", "max_steps=8")
-    out = run(tiny_config(target_dir, text_file, tmp_path / "lora", f"student.pretrained={base_dir}", *lora))
+    lora = (
+        "draft.lora.enabled=true",
+        "draft.lora.r=4",
+        "draft.lora.merge=true",
+        "draft.lora.target_modules=[q_proj,v_proj,down_proj]",
+        "max_steps=8",
+    )
+    out = run(tiny_config(target_dir, text_file, tmp_path / "lora", f"draft.pretrained={base_dir}", *lora))
     adapter = load_file(out / "adapter" / "adapter_model.safetensors")
     assert (out / "adapter" / "adapter_config.json").is_file() and all("lora_" in name for name in adapter)
     base, merged = load_file(base_dir / "model.safetensors"), load_file(out / "model.safetensors")
@@ -325,22 +277,26 @@ def test_lora_trains_adapters_only_and_merges_into_a_plain_checkpoint(target_dir
 @pytest.mark.parametrize("name", ["distill_draft_full.yaml", "distill_draft_lora.yaml"])
 def test_shipped_recipes_resolve(name):
     cfg = load_config(REPO / "recipes" / name)
-    assert cfg.kind == "draft_lm" and cfg.data.train_files
+    assert cfg.type == "draft_lm" and cfg.data.train_files
 
 
 def test_unknown_keys_and_bad_values_fail_with_the_valid_ones(tmp_path):
     recipe = REPO / "recipes" / "distill_draft_full.yaml"
-    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['student.init.layers'\]; valid keys: .*student.init.num_layers"):
-        load_config(recipe, ["student.init.layers=2"])
-    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['lr'\]; valid keys: .*learning_rate"):
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['draft.init.layers'\]; valid keys: .*draft.init.num_layers"):
+        load_config(recipe, ["draft.init.layers=2"])
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['lr'\]; valid keys: .*learning_rate"):
         load_config(recipe, ["lr=0.1"])
-    with pytest.raises(ValueError, match=r"loss: 'kl' is not one of \['forward_kl', 'reverse_kl', 'tvd'\]"):
-        load_config(recipe, ["loss=kl"])
-    with pytest.raises(ValueError, match="batch_size: expected int"):
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['loss'\]; valid keys: .*'draft'"):
+        load_config(recipe, ["loss=kl"])  # a family key, and so under draft:
+    with pytest.raises(ValueError, match=r"draft.loss': 'kl' is not one of \['forward_kl', 'reverse_kl', 'tvd'\]"):
+        load_config(recipe, ["draft.loss=kl"])
+    with pytest.raises(ValueError, match=r"unknown training type 'medusa2'; available: \['draft_lm'"):
+        load_config(recipe, ["type=medusa2"])
+    with pytest.raises(ValueError, match="'batch_size': expected int"):
         load_config(recipe, ["batch_size=eight"])
-    with pytest.raises(ValueError, match="lora.enabled needs student.pretrained"):
-        load_config(recipe, ["lora.enabled=true"])
-    assert load_config(recipe, ["learning_rate=1e-3", "student.init.num_layers=2"]).student.init.num_layers == 2
+    with pytest.raises(ValueError, match="lora.enabled needs draft.pretrained"):
+        load_config(recipe, ["draft.lora.enabled=true"])
+    assert load_config(recipe, ["learning_rate=1e-3", "draft.init.num_layers=2"]).draft["init"]["num_layers"] == 2
 
 
 def test_missing_data_file_is_named(target_dir, text_file, tmp_path):
@@ -351,8 +307,8 @@ def test_missing_data_file_is_named(target_dir, text_file, tmp_path):
 
 
 def test_a_draft_bigger_than_the_target_warns(target_dir):
-    bigger = ["student.init.num_layers=4", "student.init.hidden_size=64", "student.init.copy_target_embeddings=false"]
+    bigger = ["draft.init.num_layers=4", "draft.init.hidden_size=64", "draft.init.copy_target_embeddings=false"]
     cfg = load_config(REPO / "recipes" / "distill_draft_full.yaml", bigger)
     target = AutoModelForCausalLM.from_pretrained(target_dir)
     with pytest.warns(UserWarning, match="more than the target"):
-        build_student(cfg, target, AutoTokenizer.from_pretrained(target_dir))
+        make_objective(cfg).build(target, AutoTokenizer.from_pretrained(target_dir))

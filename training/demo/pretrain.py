@@ -1,7 +1,7 @@
 """Pretrain the offline demo target: a small Llama trained on text found on this machine.
 
-    accelerate launch -m training.demo.pretrain --config recipes/demo_target.yaml [key=value ...]
-    python -m training.demo.pretrain --config recipes/demo_target_quick.yaml
+    accelerate launch -m draftsmith.training.demo.pretrain --config recipes/demo_target.yaml [key=value ...]
+    python -m draftsmith.training.demo.pretrain --config recipes/demo_target_quick.yaml
 
 Stages, each cached under ``work_dir`` in a directory named after a hash of the
 config keys it depends on, and skipped when its finished artefact is present:
@@ -9,11 +9,12 @@ config keys it depends on, and skipped when its finished artefact is present:
 1. corpus     ``corpus-<h>/manifest.json``      (training.demo.corpus: code + prose, train / held-out)
 2. tokenizer  ``tokenizer-<h>/``                (training.demo.tokenizer: byte-level BPE + chat template)
 3. tokens     ``tokens-<h>/meta.json``          (uint16 streams of ``<|bos|> doc <|eos|>``)
-4. model      ``output_dir/heldout_loss.json``  (training loop with checkpoints in ``run-<h>/``)
+4. model      ``output_dir/heldout_loss.json``  (``training.train.fit`` with checkpoints in ``run-<h>/``)
 
-The loop reads like nanoGPT's ``train.py``: sample a batch, step, log, evaluate,
-checkpoint. An interrupted run (Ctrl-C, SIGTERM, a crash) resumes from its last
-checkpoint in ``run-<h>/checkpoints`` when started again with the same config.
+Stage 4 is the head trainer's own loop (``training.train.fit``) on shuffled blocks of the
+token streams, with next-token cross-entropy as the loss. An interrupted run (Ctrl-C,
+SIGTERM, a crash) resumes from its last checkpoint in ``run-<h>/checkpoints`` when started
+again with the same config; the export is atomic.
 """
 
 from __future__ import annotations
@@ -21,41 +22,39 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
-import time
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
 import yaml
-from accelerate import Accelerator, PartialState
+from accelerate import PartialState
 from accelerate.utils import set_seed
+from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from draftsmith.proposers.config import build, load
 from draftsmith.training.common import (
-    TrainState,
-    all_agree,
     config_hash,
-    cosine_lr,
+    export_atomically,
     first_process,
-    load_recipe,
     make_adamw,
     multi_process_cpu,
     plot_curve,
-    resume,
-    save_checkpoint,
     sigterm_as_interrupt,
 )
-from draftsmith.training.common import config_from_dict as _config_from_dict
+from draftsmith.training.data import make_loader
 from draftsmith.training.demo.corpus import DOMAINS, SPLITS, Document, collect_corpus
 from draftsmith.training.demo.tokenizer import build_tokenizer
+from draftsmith.training.train import LoopConfig, fit, make_accelerator
 
 
 @dataclass
-class PretrainConfig:
-    """Every key a recipe may set; an unknown key is an error."""
+class PretrainConfig(LoopConfig):
+    """Every key a recipe may set (the loop's keys included); an unknown key is an error."""
 
     output_dir: str = "recipes/demo_target"  # the shipped model, tokenizer, curves
     work_dir: str = ".cache/draftsmith/demo_target"  # stage caches and checkpoints
@@ -72,36 +71,28 @@ class PretrainConfig:
     num_heads: int = 4
     num_kv_heads: int = 4
     block_size: int = 256  # training context, also max_position_embeddings
-    # optimisation
-    batch_size: int = 16  # sequences per step
+    eval_tokens: int = 32768  # held-out tokens per domain for the evaluations during training
+    # the loop's keys, with this recipe's defaults
+    batch_size: int = 16
     learning_rate: float = 3e-3
-    min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
     warmup_steps: int = 200
     weight_decay: float = 0.1
-    grad_clip: float = 1.0
     max_steps: int = 6000
-    max_minutes: float = 0.0  # wall-clock budget of the loop (0 = none); the schedule decays by it too
-    seed: int = 0
-    # logging, evaluation, checkpoints
     log_every: int = 25
     eval_every: int = 250
-    eval_tokens: int = 32768  # held-out tokens per domain for the evaluations during training
     checkpoint_every: int = 250
-    keep_checkpoints: int = 2
-    # runtime
-    threads: int = 0  # torch CPU threads (0 = torch default)
-    mixed_precision: str = "no"  # accelerate: no | bf16 | fp16
-    save_dtype: str = "float32"  # dtype of the shipped safetensors: float32 | float16 | bfloat16
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "no"
 
 
 # Keys left out of every stage's hash: where files go, how often to log, evaluate and
 # save, threads, and the wall-clock budget (so a run can resume with more time).
-CHOICES = {"mixed_precision": ("no", "bf16", "fp16"), "save_dtype": ("float32", "float16", "bfloat16")}
 RUNTIME_KEYS = set(
-    "output_dir work_dir max_minutes log_every eval_every eval_tokens checkpoint_every keep_checkpoints threads save_dtype".split()
+    "output_dir work_dir max_minutes log_every eval_every eval_tokens checkpoint_every keep_checkpoints threads save_dtype "
+    "log_with project".split()
 )
 CORPUS_KEYS = ("code_max_mb", "prose_max_mb", "heldout_mod")
 TOKENIZER_KEYS = (*CORPUS_KEYS, "vocab_size", "block_size")
+CONFIG_FILE = "training_config.yaml"
 
 
 # --- config --------------------------------------------------------------
@@ -109,17 +100,12 @@ TOKENIZER_KEYS = (*CORPUS_KEYS, "vocab_size", "block_size")
 
 def config_from_dict(values: dict) -> PretrainConfig:
     """A ``PretrainConfig`` from plain values; unknown keys and wrong types fail."""
-    return _config_from_dict(PretrainConfig, values, CHOICES)
+    return build(PretrainConfig, values, where="pretrain config")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> PretrainConfig:
-    """Read a YAML recipe and apply ``key=value`` overrides (values parsed as YAML); unknown keys fail.
-
-    Args:
-        path: YAML file of ``PretrainConfig`` keys (None = the defaults).
-        overrides: ``["key=value", ...]`` applied after the file.
-    """
-    return load_recipe(PretrainConfig, path, overrides, CHOICES)
+    """Read a YAML recipe and apply ``key=value`` overrides (values parsed as YAML); unknown keys fail."""
+    return load(PretrainConfig, path, overrides, what="recipe")
 
 
 def stage_hash(cfg: PretrainConfig, keys: tuple[str, ...] | None = None) -> str:
@@ -131,10 +117,24 @@ def stage_hash(cfg: PretrainConfig, keys: tuple[str, ...] | None = None) -> str:
 
 
 def build_corpus(cfg: PretrainConfig, work: Path) -> Path:
-    """Stage 1: collect the corpus as JSON lines per domain and split."""
+    """Stage 1: collect the corpus as JSON lines per domain and split; ``work/corpus`` names it stably.
+
+    Recipes that train on the demo corpus name ``<work_dir>/corpus/<domain>.<split>.jsonl``, a
+    link to the hashed directory of the last corpus built or used here, never the hash itself.
+    """
     out = work / f"corpus-{stage_hash(cfg, CORPUS_KEYS)}"
-    if (out / "manifest.json").exists():
-        return out
+    if not (out / "manifest.json").exists():
+        write_corpus(cfg, out)
+    link, partial = work / "corpus", work / ".corpus.link"
+    if not link.is_symlink() or link.readlink() != Path(out.name):
+        partial.unlink(missing_ok=True)
+        partial.symlink_to(out.name)
+        os.replace(partial, link)  # atomic: readers see the old link or the new one
+    return out
+
+
+def write_corpus(cfg: PretrainConfig, out: Path) -> None:
+    """Collect the documents and write ``<domain>.<split>.jsonl`` files and their manifest into ``out``."""
     max_bytes = {"code": int(cfg.code_max_mb * 1e6), "prose": int(cfg.prose_max_mb * 1e6)}
     corpus = collect_corpus(max_bytes=max_bytes, heldout_mod=cfg.heldout_mod)
     empty = [f"{d}.{s}" for d, splits in corpus.items() for s, docs in splits.items() if not docs]
@@ -148,7 +148,6 @@ def build_corpus(cfg: PretrainConfig, work: Path) -> Path:
                 f.writelines(json.dumps(dataclasses.asdict(doc)) + "\n" for doc in docs)
             manifest[f"{domain}.{split}"] = {"files": len(docs), "chars": sum(len(d.text) for d in docs)}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    return out
 
 
 def read_documents(corpus_dir: Path, domain: str, split: str) -> list[Document]:
@@ -215,15 +214,23 @@ def build_model(cfg: PretrainConfig, tokenizer) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def learning_rate(cfg: PretrainConfig, step: int, progress: float) -> float:
-    """Linear warmup over steps, then cosine decay over ``progress`` in [0, 1]."""
-    return cosine_lr(step, progress, cfg.learning_rate, cfg.warmup_steps, cfg.min_lr_ratio)
+class Blocks(Dataset):
+    """Consecutive ``block_size`` windows of a token stream, as training rows (every position counts)."""
+
+    def __init__(self, stream: torch.Tensor, block_size: int):
+        self.blocks = stream[: len(stream) // block_size * block_size].view(-1, block_size)
+        self.loss_mask = [1] * block_size
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.blocks[index].tolist(), "loss_mask": self.loss_mask}
 
 
-def sample_batch(stream: torch.Tensor, batch_size: int, block_size: int) -> torch.Tensor:
-    """Random windows of a token stream, ``[batch_size, block_size]`` (global torch RNG, so resumable)."""
-    starts = torch.randint(0, len(stream) - block_size, (batch_size,))
-    return torch.stack([stream[s : s + block_size] for s in starts.tolist()])
+def next_token_loss(model, batch: dict) -> tuple[torch.Tensor, dict]:
+    """Cross-entropy of every next token of ``batch["input_ids"]`` ``[batch, block]``; no extra metrics."""
+    return model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss, {}
 
 
 @torch.inference_mode()
@@ -253,117 +260,43 @@ def heldout_loss(model, streams: dict[str, torch.Tensor], block_size: int, max_t
     return losses
 
 
-def train_step(accelerator: Accelerator, model, optimizer, batch: torch.Tensor, cfg: PretrainConfig) -> float:
-    """One optimiser step on ``batch`` ``[batch_size, block_size]``; returns the loss."""
-    loss = model(input_ids=batch, labels=batch).loss
-    accelerator.backward(loss)
-    accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.item()
-
-
-def tokens_seen(state: TrainState, cfg: PretrainConfig, accelerator: Accelerator) -> int:
-    """Training tokens so far, over all processes."""
-    return state.step * cfg.batch_size * cfg.block_size * accelerator.num_processes
-
-
-def log_point(state: TrainState, cfg: PretrainConfig, losses: list[float], lr: float, accelerator: Accelerator) -> dict:
-    """Append the mean train loss since the last point (over all processes) to the curve."""
-    loss = float(accelerator.reduce(torch.tensor([sum(losses) / len(losses)], device=accelerator.device), "mean"))
-    tokens = tokens_seen(state, cfg, accelerator)
-    point = {"step": state.step, "tokens": tokens, "elapsed_s": round(state.elapsed_s, 1), "lr": lr}
-    state.curve.append({**point, "train_loss": loss, "tokens_per_s": round(tokens / state.elapsed_s)})
-    return state.curve[-1]
-
-
-def eval_point(state: TrainState, cfg: PretrainConfig, model, heldout: dict[str, torch.Tensor], accelerator: Accelerator) -> dict:
-    """Append the held-out loss per domain (first ``eval_tokens`` tokens) to the curve."""
-    losses = heldout_loss(model, heldout, cfg.block_size, cfg.eval_tokens)
-    point = {"step": state.step, "tokens": tokens_seen(state, cfg, accelerator), "elapsed_s": round(state.elapsed_s, 1)}
-    state.curve.append({**point, "heldout_loss": {d: round(v["nats_per_token"], 4) for d, v in losses.items()}})
-    return state.curve[-1]
-
-
-def train(cfg: PretrainConfig, tokens_dir: Path, tokenizer, run_dir: Path, stop_after_steps: int = 0):
-    """Stage 4: the training loop; returns the trained model, or None when stopped early.
-
-    Args:
-        cfg: the resolved config.
-        tokens_dir: stage-3 directory of token streams.
-        tokenizer: the stage-2 tokenizer (vocabulary and special token ids).
-        run_dir: checkpoints and the running loss curve; resumed from when present.
-        stop_after_steps: simulate an interrupt after this step (checkpoint, then return None).
-    """
-    accelerator = Accelerator(cpu=multi_process_cpu(), mixed_precision=cfg.mixed_precision)
-    set_seed(cfg.seed, device_specific=True)  # each process draws its own batches
+def train(cfg: PretrainConfig, tokens_dir: Path, tokenizer, run_dir: Path, interrupt_after_steps: int = 0):
+    """Stage 4: ``fit`` on shuffled blocks of the training streams; returns the trained model and its loss curve."""
+    accelerator = make_accelerator(cfg, run_dir)
+    set_seed(cfg.seed)
     model = build_model(cfg, tokenizer)
-    model, optimizer = accelerator.prepare(model, make_adamw(model, cfg.learning_rate, cfg.weight_decay))
-    state = TrainState()
-    accelerator.register_for_checkpointing(state)
-    resume(accelerator, run_dir, state)
-    train_stream = torch.cat(list(load_streams(tokens_dir, "train").values()))
+    loader = make_loader(Blocks(torch.cat(list(load_streams(tokens_dir, "train").values())), cfg.block_size), cfg.batch_size, 0)
+    model, optimizer, loader = accelerator.prepare(model, make_adamw(model, cfg.learning_rate, cfg.weight_decay), loader)
     heldout = load_streams(tokens_dir, "heldout")
-    bar = tqdm(
-        total=cfg.max_steps,
-        initial=state.step,
-        desc="pretrain",
-        disable=not accelerator.is_local_main_process,
-        mininterval=1 if sys.stderr.isatty() else 60,
-    )
-    started, losses = time.time() - state.elapsed_s, []
-    try:
-        done = all_agree(state.progress(cfg.max_steps, cfg.max_minutes) >= 1.0, accelerator)
-        while not done:
-            # data
-            lr = learning_rate(cfg, state.step, state.progress(cfg.max_steps, cfg.max_minutes))
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            batch = sample_batch(train_stream, cfg.batch_size, cfg.block_size).to(accelerator.device)
-            # step
-            losses.append(train_step(accelerator, model, optimizer, batch, cfg))
-            state.step, state.elapsed_s = state.step + 1, time.time() - started
-            bar.update(1)
-            # log
-            done = all_agree(state.progress(cfg.max_steps, cfg.max_minutes) >= 1.0, accelerator)  # time may run out on one process first
-            if state.step % cfg.log_every == 0 or done:
-                point = log_point(state, cfg, losses, lr, accelerator)
-                bar.set_postfix(loss=f"{point['train_loss']:.3f}", tok_s=point["tokens_per_s"])
-                losses = []
-            if state.step % cfg.eval_every == 0 or done:
-                accelerator.print(json.dumps(eval_point(state, cfg, model, heldout, accelerator)), flush=True)
-            # checkpoint
-            if state.step % cfg.checkpoint_every == 0 or done or state.step == stop_after_steps:
-                save_checkpoint(accelerator, run_dir, state, cfg.keep_checkpoints)
-            if state.step == stop_after_steps:
-                return None
-    except KeyboardInterrupt:
-        save_checkpoint(accelerator, run_dir, state, cfg.keep_checkpoints)
-        raise
-    finally:
-        bar.close()
-    return accelerator.unwrap_model(model)
+
+    def evaluate(model) -> dict:
+        losses = heldout_loss(model, heldout, cfg.block_size, cfg.eval_tokens)
+        return {"heldout_loss": {domain: round(v["nats_per_token"], 4) for domain, v in losses.items()}}
+
+    state = fit(model, optimizer, loader, next_token_loss, cfg, accelerator, run_dir, evaluate, None, "pretrain", interrupt_after_steps)
+    return accelerator.unwrap_model(model), state.curve
 
 
 # --- export ------------------------------------------------------------------
 
 
 def export(cfg: PretrainConfig, model, tokenizer, curve: list[dict], tokens_dir: Path) -> Path:
-    """Write the shipped directory and measure held-out loss on the saved weights, loaded in fp32."""
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
-    model.to(getattr(torch, cfg.save_dtype)).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    (out / "training_config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    (out / "loss_curve.json").write_text(json.dumps(curve))
-    plot_curve(curve, out / "loss_curve.png", title="demo target pretraining")
-    shipped = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    losses = heldout_loss(shipped, load_streams(tokens_dir, "heldout"), cfg.block_size)
-    (out / "heldout_loss.json").write_text(json.dumps(losses, indent=1) + "\n")
-    return out
+    """Write the shipped directory atomically; held-out loss is measured on the saved weights, loaded in fp32."""
+
+    def write(out: Path) -> None:
+        model.generation_config = GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+        )
+        model.to(getattr(torch, cfg.save_dtype)).save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        (out / CONFIG_FILE).write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+        (out / "loss_curve.json").write_text(json.dumps(curve))
+        plot_curve(curve, out / "loss_curve.png", title="demo target pretraining")
+        shipped = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        losses = heldout_loss(shipped, load_streams(tokens_dir, "heldout"), cfg.block_size)
+        (out / "heldout_loss.json").write_text(json.dumps(losses, indent=1) + "\n")
+
+    return export_atomically(Path(cfg.output_dir), write)
 
 
 def is_exported(cfg: PretrainConfig) -> bool:
@@ -378,12 +311,12 @@ def is_exported(cfg: PretrainConfig) -> bool:
     return stage_hash(shipped) == stage_hash(cfg)
 
 
-def run(cfg: PretrainConfig, stop_after_steps: int = 0) -> Path | None:
-    """Run (or skip) every stage; returns ``output_dir``, or None when stopped early.
+def run(cfg: PretrainConfig, interrupt_after_steps: int = 0) -> Path:
+    """Run (or skip) every stage; returns ``output_dir``.
 
     Args:
         cfg: the resolved config.
-        stop_after_steps: simulate an interrupt after this training step (0 = never).
+        interrupt_after_steps: simulate a Ctrl-C after this training step (tests): checkpoint, raise KeyboardInterrupt.
     """
     if is_exported(cfg):
         print(f"{cfg.output_dir} already holds this config's model; nothing to do")
@@ -398,12 +331,8 @@ def run(cfg: PretrainConfig, stop_after_steps: int = 0) -> Path | None:
             tokenizer_dir = build_tokenizer_stage(cfg, corpus_dir, work)
             tokens_dir = build_tokens(cfg, corpus_dir, tokenizer_dir, work)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        run_dir = work / f"run-{stage_hash(cfg)}"
-        model = train(cfg, tokens_dir, tokenizer, run_dir, stop_after_steps)
-        if model is None:
-            return None
+        model, curve = train(cfg, tokens_dir, tokenizer, work / f"run-{stage_hash(cfg)}", interrupt_after_steps)
         if processes.is_main_process:
-            curve = json.loads((run_dir / "loss_curve.json").read_text())
             export(cfg, model, tokenizer, curve, tokens_dir)
         processes.wait_for_everyone()
         return Path(cfg.output_dir)
@@ -420,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(args.config, args.overrides)
     sigterm_as_interrupt()  # kill = Ctrl-C: checkpoint, then exit
     out = run(cfg)
-    if out is not None and first_process():
+    if first_process():
         print(json.dumps(json.loads((out / "heldout_loss.json").read_text())))
 
 
