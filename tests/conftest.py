@@ -11,6 +11,20 @@ from transformers import LlamaConfig, LlamaForCausalLM
 torch.set_num_threads(1)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", help="also run the tests marked slow (the full statistical grid)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow are skipped unless --slow is given (the README's test command and CI give it)."""
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="the full statistical grid: run with --slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 def tiny_llama(vocab_size: int = 128, hidden_size: int = 32, layers: int = 2, seed: int = 0, max_positions: int = 512) -> LlamaForCausalLM:
     """A fixed-seed random Llama (fp32, eval mode)."""
     torch.manual_seed(seed)

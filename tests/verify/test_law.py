@@ -6,7 +6,8 @@ model". After the first token (from the prefill) every step verifies a draft, so
 2 to 4 all come through the rejection sampler. The joint law of tokens (2, 3) is
 sum_t1 p(t1) p(t2 | t1) p(t3 | t1, t2), computed exactly from target forwards. Bound:
 chi-square at alpha = 1e-3 over N = 6000 requests; a broken residual must fail it (the
-control fails by a wide margin, so it runs on fewer requests).
+control fails by a wide margin, so it runs on fewer requests). The same check runs with
+the n-gram proposer, whose deterministic trees (point masses) draft from the context.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 import draftsmith.verify.rejection as rejection
 from draftsmith.proposers.base import Draft, ProposeContext, SamplingParams, logits_to_probs
+from draftsmith.proposers.ngram import NgramProposer
 from draftsmith.verify import SpeculativeDecoder
 
 V = 8
@@ -74,14 +76,18 @@ def exact_pair_law(model) -> dict:
     return {(b, c): float(joint[b, c]) for b in range(V) for c in range(V) if joint[b, c] > 0}
 
 
-def sample_pairs(model, n: int = N) -> tuple[Counter, int]:
-    proposer = RandomTreeProposer()
-    decoder = SpeculativeDecoder(model, proposer)
+def sample_pairs(model, n: int = N, proposer=None) -> tuple[Counter, int, int, int]:
+    """Joint counts of tokens (2, 3) over ``n`` seeded requests; also requests that drafted, draft tokens drafted and accepted."""
+    decoder = SpeculativeDecoder(model, proposer if proposer is not None else RandomTreeProposer())
     counts: Counter = Counter()
+    requests = drafted = accepted = 0
     for seed in range(n):
-        tokens = decoder.generate(PROMPT, max_new_tokens=4, seed=seed, **SAMPLING).new_tokens
-        counts[(tokens[1], tokens[2])] += 1
-    return counts, proposer.verified_steps
+        result = decoder.generate(PROMPT, max_new_tokens=4, seed=seed, **SAMPLING)
+        counts[(result.new_tokens[1], result.new_tokens[2])] += 1
+        requests += result.stats.drafted_tokens > 0
+        drafted += result.stats.drafted_tokens
+        accepted += sum(result.stats.accept_lengths)
+    return counts, requests, drafted, accepted
 
 
 @pytest.fixture(scope="module")
@@ -89,15 +95,28 @@ def exact(small_vocab_model):
     return exact_pair_law(small_vocab_model)
 
 
+@pytest.mark.slow
 def test_decoder_output_follows_target_joint(small_vocab_model, exact, law_check):
-    counts, steps = sample_pairs(small_vocab_model)
-    assert steps >= N  # every request verified at least one draft
+    proposer = RandomTreeProposer()
+    counts, *_ = sample_pairs(small_vocab_model, proposer=proposer)
+    assert proposer.verified_steps >= N  # every request verified at least one draft
     stat, critical, tv = law_check(counts, exact, N)
     assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f} (TV {tv:.3f})"
 
 
-def test_broken_residual_fails_the_same_check(small_vocab_model, exact, law_check, monkeypatch):
+def test_ngram_tree_output_follows_target_joint(small_vocab_model, exact, law_check):
+    """Deterministic lookup trees, verified as point masses, at T = 0.8 with top-k."""
+    proposer = NgramProposer(min_n=1, max_n=2, k=3, branches=3)
+    counts, requests, drafted, accepted = sample_pairs(small_vocab_model, proposer=proposer)
+    assert requests >= N // 2 and N // 4 <= accepted <= drafted - N // 4  # most requests drafted; drafts accepted and rejected
+    stat, critical, tv = law_check(counts, exact, N)
+    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f} (TV {tv:.3f})"
+
+
+@pytest.mark.parametrize("proposer", ["random_tree", "ngram_tree"])
+def test_broken_residual_fails_the_same_check(proposer, small_vocab_model, exact, law_check, monkeypatch):
     monkeypatch.setattr(rejection, "residual_distribution", lambda target_probs, draft_probs, token: target_probs)
-    counts, _ = sample_pairs(small_vocab_model, n=N // 4)
+    drafts = RandomTreeProposer() if proposer == "random_tree" else NgramProposer(min_n=1, max_n=2, k=3, branches=3)
+    counts, *_ = sample_pairs(small_vocab_model, n=N // 4, proposer=drafts)
     stat, critical, tv = law_check(counts, exact, N // 4)
     assert stat >= critical, f"a sampler that resamples from the target passed (chi2 {stat:.1f}, TV {tv:.3f})"

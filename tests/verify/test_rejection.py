@@ -147,10 +147,20 @@ SAMPLINGS = {
     "t0.7_topk6_topp0.8": SamplingParams(temperature=0.7, top_k=6, top_p=0.8),
 }
 SHAPES = ["chain", "deterministic_tree", "sampled_tree_iid", "sampled_tree_without_replacement"]
+# The default run covers every shape once, each with another sampling; --slow runs the whole grid.
+FAST = {
+    ("chain", "t0.7_topk6_topp0.8"),
+    ("deterministic_tree", "t1"),
+    ("sampled_tree_iid", "t0.7"),
+    ("sampled_tree_without_replacement", "t1_topk5_topp0.9"),
+}
 
 
-@pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
-@pytest.mark.parametrize("shape", SHAPES)
+def grid(pairs, fast):
+    return [pytest.param(*pair, marks=() if pair in fast else pytest.mark.slow) for pair in pairs]
+
+
+@pytest.mark.parametrize("shape, sampling_name", grid([(shape, name) for shape in SHAPES for name in SAMPLINGS], FAST))
 def test_output_law_matches_target(shape, sampling_name, law_check):
     sampling = SAMPLINGS[sampling_name]
     case = Case(seed=11, sampling=sampling)
@@ -178,8 +188,13 @@ def broken_scalar_draft_prob(target_probs, draft_probs, token):
     return residual / residual.sum() if residual.sum() > 0 else target_probs
 
 
-@pytest.mark.parametrize("broken", [broken_target_minus_target, broken_resample_from_target, broken_scalar_draft_prob])
-@pytest.mark.parametrize("shape", ["chain", "sampled_tree_without_replacement"])
+BROKEN = [broken_target_minus_target, broken_resample_from_target, broken_scalar_draft_prob]
+FAST_CONTROLS = {("sampled_tree_without_replacement", broken_target_minus_target), ("chain", broken_scalar_draft_prob)}
+
+
+@pytest.mark.parametrize(
+    "shape, broken", grid([(shape, broken) for shape in ("chain", "sampled_tree_without_replacement") for broken in BROKEN], FAST_CONTROLS)
+)
 def test_negative_controls_fail_the_law_test(broken, shape, monkeypatch, law_check):
     monkeypatch.setattr(rejection, "residual_distribution", broken)
     sampling = SAMPLINGS["t1"]
