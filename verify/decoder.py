@@ -13,11 +13,11 @@ import torch
 from transformers import PreTrainedModel
 
 from draftsmith.proposers.base import Draft, ProposeContext, Proposer, SamplingParams, TargetFeatures, VerifyResult, output_vocab_size
+from draftsmith.proposers.tree import node_depths, prune_depth, validate_draft
 
 from .rejection import rejection_sample
 from .stats import DecodeStats
 from .target import Target, TargetOutput
-from draftsmith.proposers.tree import node_depths, prune_depth, validate_draft
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class SpeculativeDecoder:
 
         out = target.prefill(input_ids)
         first = rejection_sample(Draft.empty(), out.logits[-1:], sampling, generator).next_token
-        stats.target_forwards = 1
+        stats.requests = stats.target_forwards = 1
         stats.ttft = time.perf_counter() - start
         last = first
         tokens = prompt + [first]
@@ -99,9 +99,10 @@ class SpeculativeDecoder:
             target.commit(result.accepted_nodes)
             if proposer is not None:
                 proposer.observe(result, _path_features(out, result))
+            emitted = _extend(tokens, new_tokens, result.committed, max_new_tokens, eos)
+            last = new_tokens[-1]
             stats.target_forwards += 1
-            stats.record_step(_depth(draft), draft.num_nodes, result.num_accepted, result.recovered)
-            last = _extend(tokens, new_tokens, result.committed, max_new_tokens, eos)
+            stats.record_step(_depth(draft), draft.num_nodes, result.num_accepted, result.recovered, emitted)
             stats.draft_time += tock - tick
             stats.verify_time += time.perf_counter() - tock
 
@@ -152,13 +153,15 @@ def _depth(draft: Draft) -> int:
 
 
 def _extend(tokens: list[int], new_tokens: list[int], committed: list[int], max_new_tokens: int, eos: frozenset[int]) -> int:
-    """Append committed tokens, stopping at EOS or the output limit; return the last one appended."""
+    """Append committed tokens, stopping at EOS or the output limit; return how many were appended."""
+    emitted = 0
     for token in committed[: max_new_tokens - len(new_tokens)]:
         tokens.append(token)
         new_tokens.append(token)
+        emitted += 1
         if token in eos:
             break
-    return new_tokens[-1]
+    return emitted
 
 
 def _path_features(out: TargetOutput, result: VerifyResult) -> TargetFeatures | None:

@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 import yaml
+from tqdm.auto import tqdm
+
 from draftsmith.proposers import load_proposer
 from draftsmith.proposers.base import TransformersPeer
-from tqdm.auto import tqdm
 
 from ..decoder import SpeculativeDecoder
 from ..stats import DecodeStats
@@ -29,6 +30,8 @@ from ..target import load_target
 from .domains import Prompt, load_domain
 
 PLAIN = "plain"
+# The raw counters behind tau and the acceptance rates, copied into each summary row.
+COUNTS = ("requests", "steps", "truncated_steps", "drafted_by_depth", "reached_by_depth", "accepted_by_depth")
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,11 @@ class EvalConfig:
 
 @dataclass
 class Record:
-    """One prompt decoded by one method (Spec-Bench-like fields)."""
+    """One prompt decoded by one method (Spec-Bench-like fields).
+
+    ``accept_lengths`` holds each step's emitted accepted draft tokens; it, ``ttft`` and the
+    fields after ``speedup`` come from our own decoder (empty or None for transformers peers).
+    """
 
     domain: str
     method: str
@@ -110,6 +117,10 @@ class Record:
     tau: float
     identical_to_plain: bool | None
     speedup: float | None = None
+    steps: int | None = None
+    truncated_steps: int | None = None
+    draft_time: float | None = None
+    verify_time: float | None = None
 
 
 def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
@@ -173,7 +184,7 @@ def build_methods(config: EvalConfig, model, tokenizer) -> dict[str, Callable]:
     return methods
 
 
-def _record(prompt: Prompt, method: str, index: int, new_tokens: int, forwards: int, accept_lengths, wall: float, ttft) -> Record:
+def _record(prompt: Prompt, method: str, index: int, new_tokens: int, forwards: int, wall: float, stats: DecodeStats | None) -> Record:
     return Record(
         domain=prompt.domain,
         method=method,
@@ -182,12 +193,16 @@ def _record(prompt: Prompt, method: str, index: int, new_tokens: int, forwards: 
         prompt_tokens=prompt.input_ids.shape[1],
         new_tokens=new_tokens,
         target_forwards=forwards,
-        accept_lengths=list(accept_lengths),
+        accept_lengths=list(stats.accept_lengths) if stats else [],
         wall_time=wall,
-        ttft=ttft,
+        ttft=stats.ttft if stats else None,
         tokens_per_s=new_tokens / wall,
         tau=new_tokens / max(forwards, 1),
         identical_to_plain=None,
+        steps=stats.steps if stats else None,
+        truncated_steps=stats.truncated_steps if stats else None,
+        draft_time=stats.draft_time if stats else None,
+        verify_time=stats.verify_time if stats else None,
     )
 
 
@@ -203,7 +218,7 @@ def _ours(decoder: SpeculativeDecoder, name: str, config: EvalConfig, tokenizer)
             eos_token_id=tokenizer.eos_token_id,
         )
         s = result.stats
-        record = _record(prompt, name, index, s.new_tokens, s.target_forwards, s.accept_lengths, s.total_time, s.ttft)
+        record = _record(prompt, name, index, s.new_tokens, s.target_forwards, s.total_time, s)
         return result.new_tokens, record, s
 
     return run
@@ -240,33 +255,42 @@ def _hf(model, counter: _ForwardCounter, name: str, config: EvalConfig, tokenize
         )
         wall = time.perf_counter() - start
         tokens = out[0, prompt.input_ids.shape[1] :].tolist()
-        record = _record(prompt, name, index, len(tokens), counter.calls - before, [], wall, None)
+        record = _record(prompt, name, index, len(tokens), counter.calls - before, wall, None)
         return tokens, record, None
 
     return run
 
 
 def summarise(config: EvalConfig, records: list[Record], stats: dict) -> dict[str, Any]:
-    """Per domain x method: tau, acceptance by depth, median tok/s and speedup, TTFT, identical outputs."""
+    """Per domain x method: tau three ways, acceptance by depth and its counts, speedups, tok/s, TTFT, identical outputs.
+
+    Rows of transformers peers have tau and timings only (None for the rest).
+    """
     rows = []
     groups: dict[tuple[str, str], list[Record]] = {}
     for r in records:
         groups.setdefault((r.domain, r.method), []).append(r)
     for (domain, method), group in groups.items():
         merged = merge_stats(stats.get((domain, method), []))
-        uncond, cond = merged.acceptance_by_depth() if merged else ([], [])
         ttfts = [r.ttft for r in group if r.ttft is not None]
         identical = [r.identical_to_plain for r in group if r.identical_to_plain is not None]
+        mean_speed = statistics.mean(r.tokens_per_s for r in group)
+        plain_mean_speed = statistics.mean(r.tokens_per_s for r in groups[(domain, PLAIN)])
         rows.append(
             {
                 "domain": domain,
                 "method": method,
                 "prompts": len(group),
                 "tau": sum(r.new_tokens for r in group) / max(sum(r.target_forwards for r in group), 1),
-                "acceptance_by_depth": uncond,
-                "conditional_acceptance_by_depth": cond,
+                "tau_from_rates": merged.tau_from_rates if merged else None,
+                "tau_iid": merged.tau_iid if merged else None,
+                "acceptance_by_depth": asdict(merged.acceptance_by_depth()) if merged else None,
+                **{name: getattr(merged, name) if merged else None for name in COUNTS},
                 "tokens_per_s": statistics.median(r.tokens_per_s for r in group),
+                "tokens_per_s_mean": mean_speed,
                 "speedup": statistics.median(r.speedup for r in group),
+                # Spec-Bench (evaluation/speed.py): the method's mean tok/s over the prompts / plain decoding's
+                "speedup_spec_bench": mean_speed / plain_mean_speed,
                 "ttft_ms": 1000 * statistics.median(ttfts) if ttfts else None,
                 "identical": f"{sum(identical)}/{len(identical)}" if identical else None,
             }
@@ -275,17 +299,8 @@ def summarise(config: EvalConfig, records: list[Record], stats: dict) -> dict[st
 
 
 def merge_stats(all_stats: list[DecodeStats]) -> DecodeStats | None:
-    """Sum the depth counters of several requests (for acceptance by depth over a domain)."""
-    if not all_stats:
-        return None
-    merged = DecodeStats()
-    for s in all_stats:
-        for name in ("drafted_by_depth", "tried_by_depth", "accepted_by_depth"):
-            total, part = getattr(merged, name), getattr(s, name)
-            total.extend([0] * (len(part) - len(total)))
-            for d, count in enumerate(part):
-                total[d] += count
-    return merged
+    """Every counter and timing of several requests summed (a domain's stats); None for none."""
+    return DecodeStats.merged(all_stats) if all_stats else None
 
 
 def write_outputs(config: EvalConfig, records: list[Record], summary: dict[str, Any]) -> dict[str, Path]:

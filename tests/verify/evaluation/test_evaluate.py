@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import yaml
+
 from draftsmith.proposers import load_proposer
 from draftsmith.proposers.base import Draft
 from draftsmith.training.cli import main
@@ -49,13 +50,20 @@ def test_eval_writes_every_output_with_the_right_fields(tiny_target_dir, domain_
     assert {r["method"] for r in records} == methods
     assert len(records) == len(methods) * (2 + 1 + 1)  # code: 2 prompts, chat: 1, prose: 1
     for r in records:
-        assert {"domain", "new_tokens", "target_forwards", "accept_lengths", "wall_time", "tau", "speedup"} <= set(r)
+        assert {"domain", "new_tokens", "target_forwards", "accept_lengths", "wall_time", "tau", "speedup", "truncated_steps"} <= set(r)
         assert r["identical_to_plain"] is True  # greedy: every method's output equals plain decoding
         assert r["target_forwards"] >= 1 and r["new_tokens"] >= 1
     rows = {(r["domain"], r["method"]): r for r in summary["rows"]}
     assert rows[("code", "plain")]["tau"] == 1.0 and rows[("code", "plain")]["speedup"] == 1.0
     assert rows[("code", "ngram")]["identical"] == "2/2"
-    assert rows[("code", "ngram")]["acceptance_by_depth"]  # the copy prompt gets drafts
+    assert rows[("code", "ngram")]["acceptance_by_depth"]["given_reached"]  # the copy prompt gets drafts
+    for row in summary["rows"]:
+        assert row["speedup_spec_bench"] > 0 and row["tokens_per_s_mean"] > 0
+        if row["method"].startswith("hf_prompt_lookup"):  # a peer: no per-depth counts
+            assert row["tau_from_rates"] is None and row["acceptance_by_depth"] is None and row["steps"] is None
+        else:  # ours: the counters rebuild the measured tau over the domain
+            assert row["requests"] == row["prompts"]
+            assert abs(row["tau_from_rates"] - row["tau"]) <= 1e-12, row
     assert "| code | ngram |" in (out / "table.md").read_text()
 
 
