@@ -81,14 +81,6 @@ def output_vocab_size(model: torch.nn.Module) -> int:
     return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
 
 
-def crop_cache(cache, length: int) -> None:
-    """Keep the first ``length`` positions of every layer of a ``transformers.DynamicCache``."""
-    for layer in cache.layers:
-        if layer.keys is not None and layer.keys.shape[-2] > length:
-            layer.keys = layer.keys[..., :length, :]
-            layer.values = layer.values[..., :length, :]
-
-
 @dataclass(frozen=True)
 class Draft:
     """A proposed token tree for one request; a chain is a tree with ``parents[i] = i - 1``.

@@ -1,12 +1,12 @@
 """A separate small causal LM drafts the next tokens: a chain, or a tree scored level by level.
 
-Speculative decoding as in Leviathan et al. 2023 and Chen et al. 2023. The tree expands
-the most probable leaves by cumulative log-prob at each depth (EAGLE-2, Li et al. 2024),
-one draft forward per depth through a 4D attention mask; sampled siblings are drawn
-without replacement (Jeon et al. 2024). The draft keeps its own KV cache; after every
-verification it drops the rejected guesses and keeps the accepted ones of a chain, so the
-next draft starts after one new token. Drafting calls the draft's own submodules directly
-when that reproduces its forward (``lean_forward``).
+Speculative decoding as in Leviathan et al. 2023 and Chen et al. 2023. The tree is the
+shared dynamic tree of ``proposers.tree`` (EAGLE-2, Li et al. 2024), one draft forward per
+depth through the incremental tree mask. What is specific to a draft LM lives here:
+loading and vocabulary checks, its own KV cache (after every verification it drops the
+rejected guesses and keeps the accepted ones of a chain, so the next draft starts after
+one new token), the lean forward through the draft's own submodules (``lean_forward``) and the
+dynamic draft depth.
 """
 
 from __future__ import annotations
@@ -18,22 +18,12 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from .base import (
-    Draft,
-    ProposeContext,
-    SamplingParams,
-    TargetFeatures,
-    TransformersPeer,
-    VerifyResult,
-    crop_cache,
-    logits_to_probs,
-    output_vocab_size,
-)
+from .base import Draft, ProposeContext, TargetFeatures, TransformersPeer, VerifyResult, output_vocab_size
 from .lean_forward import LeanForward
+from .tree import DraftTree, crop_cache, grow_dynamic_tree, incremental_tree_mask
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 SAMPLED_TOKEN_IDS = 4096  # token strings compared between draft and target tokenizers
-MIN_SIBLING_MASS = 1e-6  # stop drawing siblings when less draft mass than this is left
 LEAN_MAX_ROWS = 16  # longer inputs (prompts) take the model's own forward and its causal kernel
 
 
@@ -45,7 +35,9 @@ class DraftModelProposer:
         k: draft depth (tokens per chain); the starting depth when ``dynamic``.
         tree_width: 1 drafts a chain; w > 1 gives every expanded node w children and
             expands the w best leaves (by cumulative draft log-prob) at each depth.
-        max_nodes: node budget of a tree (default: no limit beyond width and depth).
+        max_nodes: node budget (default: no limit beyond width and depth). A greedy tree
+            is grown in full and cut to the best nodes; a sampled one stops drawing at
+            the budget (``grow_dynamic_tree``).
         dynamic: grow the depth by 1 after a fully accepted draft, shrink it by 1 after a
             rejection, within ``[k_min, k_max]``; reset to ``k`` by ``begin``.
         k_min, k_max: bounds of the dynamic depth.
@@ -93,6 +85,7 @@ class DraftModelProposer:
         self.cached_tokens: list[int] = []  # tokens whose KV the cache holds, in order (committed or a chain's guesses)
         self._last_depth = 0
         self._committed: int | None = None  # committed tokens at the last propose
+        self._fed: list[int] = []  # tree nodes fed into the cache after the committed tokens, in cache order
 
     @classmethod
     def from_config(
@@ -159,15 +152,27 @@ class DraftModelProposer:
             return Draft.empty()
         committed = len(context.tokens)
         root_logits = self._catch_up(context.tokens)
+        self._fed = []
         try:
-            draft, self._last_depth = self._draft_tree(root_logits, depth, context.sampling, context.generator)
+            grown = grow_dynamic_tree(
+                root_logits,
+                self._score_nodes,
+                depth,
+                self.tree_width,
+                context.sampling,
+                sampled=not context.sampling.greedy,
+                max_nodes=self.max_nodes,
+                confidence_threshold=self.confidence_threshold,
+                generator=context.generator,
+            )
         except BaseException:
             self._crop(committed)
             raise
         if self.tree_width > 1:
             self._crop(committed)  # tree nodes sit in the cache out of path order
+        self._last_depth = grown.depth
         self._committed = committed
-        return draft
+        return grown.draft
 
     def observe(self, result: VerifyResult, features: TargetFeatures | None) -> None:
         """Drop the KV of rejected guesses; adapt the draft depth (when dynamic).
@@ -222,140 +227,21 @@ class DraftModelProposer:
 
     # -- drafting --------------------------------------------------------------------
 
-    def _draft_tree(self, root_logits: torch.Tensor, depth: int, sampling: SamplingParams, generator) -> tuple[Draft, int]:
-        """Grow a tree depth by depth (a chain when ``tree_width == 1``); return it and its depth."""
-        tree = _Tree()
-        width = self.tree_width
-        budget = self.max_nodes if self.max_nodes is not None else width + (depth - 1) * width**2  # default: no cut
-        frontier = tree.add_children(-1, root_logits, min(width, budget), sampling, generator)
-        reached = 1
-        while reached < depth and len(tree) < budget:
-            expand = self._select(tree, frontier)
-            if not expand:
-                break
-            rows = self._score_nodes(tree, expand)  # [len(expand), vocab], one forward
-            frontier = []
-            for node, logits in zip(expand, rows, strict=True):
-                count = min(width, budget - len(tree))
-                frontier += tree.add_children(node, logits, count, sampling, generator)
-            reached += 1
-        return tree.to_draft(sampling.greedy), reached
-
-    def _select(self, tree: _Tree, frontier: list[int]) -> list[int]:
-        """The leaves to expand: the ``tree_width`` best by cumulative log-prob, confident ones only."""
-        threshold = self.confidence_threshold
-        # A low-confidence token stays in the draft and only loses its children: dropping
-        # it because of its own value would bias a sampled draft away from draft_probs.
-        leaves = [n for n in frontier if threshold is None or tree.confidence[n] >= threshold]
-        return sorted(leaves, key=lambda n: -tree.score[n])[: self.tree_width]
-
-    def _score_nodes(self, tree: _Tree, nodes: list[int]) -> torch.Tensor:
+    def _score_nodes(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
         """Feed ``nodes`` (whose ancestors are cached) in one forward; return their logits ``[len(nodes), vocab]``."""
         if self.tree_width == 1:  # a chain: the node continues the cached tokens
             return self._forward([tree.tokens[n] for n in nodes])
         device = self.model.device
         input_ids = torch.tensor([[tree.tokens[n] for n in nodes]], device=device)
-        past = self.cache_len
-        for row, node in enumerate(nodes):
-            tree.slot[node] = past + row
-        mask, position_ids = _tree_mask(tree, nodes, len(self.cached_tokens), past, self.model.dtype)
-        mask, position_ids = mask.to(device), position_ids.to(device)
+        committed = len(self.cached_tokens)  # the cache holds them, then the tree nodes fed so far
+        mask = incremental_tree_mask(tree.parents, self._fed, nodes, committed, self.model.dtype).to(device)
+        position_ids = torch.tensor([[committed - 1 + tree.depths[n] for n in nodes]], device=device)
+        self._fed += nodes
         if self.lean is not None:
             logits = self.lean(input_ids, self.cache, position_ids, mask)
         else:
             logits = self.model(input_ids, cache=self.cache, use_cache=True, attention_mask=mask, position_ids=position_ids).logits[0]
         return logits.float().cpu()
-
-
-def _tree_mask(tree: _Tree, nodes: list[int], committed: int, past: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 4D additive mask ``[1, 1, m, past + m]`` and position ids ``[1, m]`` for feeding ``nodes``.
-
-    The cache holds ``committed`` tokens, then the tree nodes fed at earlier depths. A node
-    attends to the committed prefix, its ancestors and itself (0); ``-inf`` (the dtype's
-    minimum) elsewhere. Its position is the last committed token's plus its depth.
-    """
-    mask = torch.full((1, 1, len(nodes), past + len(nodes)), torch.finfo(dtype).min, dtype=dtype)
-    mask[..., :committed] = 0.0
-    for row, node in enumerate(nodes):
-        for fed in tree.path(node):  # the node and its ancestors, all cached by now
-            mask[0, 0, row, tree.slot[fed]] = 0.0
-    position_ids = torch.tensor([[committed - 1 + tree.depth[n] for n in nodes]])
-    return mask, position_ids
-
-
-class _Tree:
-    """A draft tree under construction: parents before children, with scores for expansion."""
-
-    def __init__(self):
-        self.tokens: list[int] = []
-        self.parents: list[int] = []
-        self.depth: list[int] = []
-        self.rows: list[torch.Tensor] = []  # the distribution each node was drawn from
-        self.score: list[float] = []  # cumulative draft log-prob from the root
-        self.confidence: list[float] = []  # draft probability of the node's own token
-        self.slot: dict[int, int] = {}  # node -> its cache position, once fed
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def path(self, node: int) -> list[int]:
-        """``node`` and its ancestors."""
-        nodes = []
-        while node >= 0:
-            nodes.append(node)
-            node = self.parents[node]
-        return nodes
-
-    def add_children(self, parent: int, logits: torch.Tensor, count: int, sampling: SamplingParams, generator) -> list[int]:
-        """Add up to ``count`` children of ``parent`` from the draft's ``logits`` ``[vocab]``; return their indices."""
-        if count < 1:
-            return []
-        if sampling.greedy:
-            # Deterministic top-k children; confidence and scores use the raw softmax,
-            # since the processed greedy distribution is a point mass.
-            probs = torch.softmax(logits, dim=-1)
-            picks = [(int(t), None) for t in torch.topk(probs, min(count, probs.shape[-1])).indices]
-        else:
-            probs = logits_to_probs(logits, sampling)
-            picks = _sample_without_replacement(probs, count, generator)
-        base_score = self.score[parent] if parent >= 0 else 0.0
-        base_depth = self.depth[parent] if parent >= 0 else 0
-        added = []
-        for token, row in picks:
-            added.append(len(self.tokens))
-            self.tokens.append(token)
-            self.parents.append(parent)
-            self.depth.append(base_depth + 1)
-            self.rows.append(row)
-            self.confidence.append(float(probs[token]))
-            self.score.append(base_score + float(torch.log(probs[token])))
-        return added
-
-    def to_draft(self, greedy: bool) -> Draft:
-        """The finished tree; greedy drafts are deterministic (``draft_probs=None``)."""
-        token_ids = torch.tensor(self.tokens, dtype=torch.long)
-        parents = torch.tensor(self.parents, dtype=torch.long)
-        return Draft(token_ids, parents, None if greedy else torch.stack(self.rows))
-
-
-def _sample_without_replacement(probs: torch.Tensor, count: int, generator) -> list[tuple[int, torch.Tensor]]:
-    """Draw up to ``count`` distinct tokens from ``probs`` ``[vocab]``; pair each with the law it was drawn from.
-
-    Sibling i is drawn from ``probs`` with the earlier siblings' tokens zeroed and the rest
-    renormalised; the verifier needs exactly that row (the Draft contract).
-    """
-    remaining = probs.clone()
-    picks = []
-    for _ in range(count):
-        mass = float(remaining.sum())
-        if mass < MIN_SIBLING_MASS:  # a stopping rule on earlier siblings only: the law stays exact
-            break
-        row = remaining / mass
-        token = int(torch.multinomial(row, 1, generator=generator))
-        picks.append((token, row))
-        remaining = remaining.clone()
-        remaining[token] = 0.0
-    return picks
 
 
 # -- construction checks -------------------------------------------------------------

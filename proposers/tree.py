@@ -1,10 +1,27 @@
-"""Draft-tree utilities: validation, depths, attention masks, paths, pruning."""
+"""Draft trees: the one layer that every proposer and the verifier share.
+
+- structure: validation, depths, paths, children, pruning;
+- attention: the verifier's 4D mask for root + tree, the incremental mask that feeds some
+  nodes of a growing tree into a draft model's own cache, position ids; both masks come
+  from one ancestor computation (``node_paths``);
+- the dynamic tree builder of EAGLE-2 (Li et al. 2024), with siblings either the top-k
+  tokens or sampled without replacement (Jeon et al. 2024);
+- KV-cache helpers that roll a ``transformers.DynamicCache`` back to an accepted path.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import torch
 
-from .base import Draft
+from .base import Draft, SamplingParams, logits_to_probs
+
+MIN_SIBLING_MASS = 1e-6  # stop drawing siblings when less draft mass than this is left
+
+# -- structure -------------------------------------------------------------------------
 
 
 def validate_draft(draft: Draft, vocab_size: int) -> None:
@@ -62,47 +79,15 @@ def node_depths(parents: list[int]) -> list[int]:
     return depths
 
 
-def ancestor_matrix(parents: list[int]) -> torch.Tensor:
-    """``[n + 1, n + 1]`` bool; entry (i, j) is True when position j is i itself or an ancestor.
+def node_paths(parents: list[int]) -> list[list[int]]:
+    """Each node's path: node indices from a child of the root down to the node (inclusive).
 
-    Position 0 is the root (the last committed token, not yet in the cache); position
-    i + 1 is draft node i.
+    The one ancestor computation of this module: both attention masks derive from it.
     """
-    n = len(parents)
-    anc = torch.eye(n + 1, dtype=torch.bool)
-    anc[1:, 0] = True
+    paths: list[list[int]] = []
     for i, p in enumerate(parents):
-        if p >= 0:
-            anc[i + 1] |= anc[p + 1]
-            anc[i + 1, i + 1] = True
-    return anc
-
-
-def tree_attention_mask(parents: list[int], past_len: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The 4D additive mask ``[1, 1, n + 1, past_len + n + 1]`` for scoring root + tree.
-
-    0 where a position may attend (the whole cached prefix, its ancestors and itself),
-    ``-inf`` (the dtype's minimum) elsewhere.
-    """
-    anc = ancestor_matrix(parents)
-    rows = anc.shape[0]
-    mask = torch.zeros(1, 1, rows, past_len + rows, dtype=dtype)
-    mask[0, 0, :, past_len:].masked_fill_(~anc, torch.finfo(dtype).min)
-    return mask
-
-
-def tree_position_ids(parents: list[int], past_len: int) -> torch.Tensor:
-    """``[1, n + 1]`` position ids: the root sits at ``past_len``, a node at ``past_len + depth``."""
-    return torch.tensor([[past_len] + [past_len + d for d in node_depths(parents)]])
-
-
-def path_to(parents: list[int], node: int) -> list[int]:
-    """Node indices from the root's child down to ``node`` (inclusive)."""
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
+        paths.append(paths[p] + [i] if p >= 0 else [i])
+    return paths
 
 
 def children_lists(parents: list[int]) -> list[list[int]]:
@@ -115,15 +100,310 @@ def children_lists(parents: list[int]) -> list[list[int]]:
 
 def prune_depth(draft: Draft, max_depth: int) -> Draft:
     """Drop the nodes deeper than ``max_depth``, renumbering the parents of those kept."""
-    parents = draft.parent_list
-    depths = node_depths(parents)
+    depths = node_depths(draft.parent_list)
     if not depths or max(depths) <= max_depth:
         return draft
-    keep = [i for i, d in enumerate(depths) if d <= max_depth]
+    return keep_nodes(draft, [i for i, d in enumerate(depths) if d <= max_depth])
+
+
+def keep_nodes(draft: Draft, keep: list[int]) -> Draft:
+    """The sub-draft of the nodes ``keep`` (ascending, closed under ancestors), parents renumbered."""
     if not keep:
         return Draft.empty()
+    parents = draft.parent_list
     new_index = {old: new for new, old in enumerate(keep)}
     new_parents = torch.tensor([new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep], dtype=torch.long)
     keep_t = torch.tensor(keep, dtype=torch.long)
     probs = draft.draft_probs.index_select(0, keep_t) if draft.draft_probs is not None else None
     return Draft(draft.token_ids.index_select(0, keep_t), new_parents, probs)
+
+
+# -- attention masks and positions -------------------------------------------------------
+
+
+def tree_attention_mask(parents: list[int], past_len: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The verifier's 4D additive mask ``[1, 1, n + 1, past_len + n + 1]`` for scoring root + tree.
+
+    The cache holds ``past_len`` positions; the root (the last committed token) and the
+    ``n`` nodes are fed in one forward, the root first. 0 where a position may attend (the
+    whole cached prefix, its ancestors and itself), ``-inf`` (the dtype's minimum) elsewhere.
+    """
+    columns = [[0]] + [[0] + [j + 1 for j in path] for path in node_paths(parents)]
+    return _additive_mask(columns, past_len, len(parents) + 1, dtype)
+
+
+def incremental_tree_mask(
+    parents: list[int], cached: list[int], nodes: list[int], prefix_len: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The 4D additive mask ``[1, 1, m, prefix_len + len(cached) + m]`` for feeding ``nodes`` of a growing tree.
+
+    A draft model's cache holds ``prefix_len`` committed tokens (the root last), then the
+    tree nodes ``cached`` in that order; ``nodes`` (m of them) are fed after them. A node
+    sees the committed prefix, its ancestors and itself. Feeding the whole tree at once
+    (``cached=[]``, ``nodes=range(n)``) gives the node rows of ``tree_attention_mask``,
+    with the root counted in the prefix.
+
+    Args:
+        parents: ``[n]`` parent of each tree node so far (-1: the root).
+        cached: tree nodes already in the cache, in cache order; they must include every
+            ancestor of ``nodes`` (a KeyError names a missing one).
+        nodes: the tree nodes to feed, in input order.
+    """
+    column = {node: k for k, node in enumerate(cached + nodes)}
+    paths = node_paths(parents)
+    columns = [[column[j] for j in paths[node]] for node in nodes]
+    return _additive_mask(columns, prefix_len, len(column), dtype)
+
+
+def _additive_mask(columns: list[list[int]], prefix_len: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[1, 1, rows, prefix_len + width]``: 0 on the prefix and at ``prefix_len + c`` for c in ``columns[row]``, else the dtype's min.
+
+    One fill per mask, not one per entry: this runs once per draft depth and per verification.
+    """
+    rows, total = len(columns), prefix_len + width
+    allowed = [row * total + prefix_len + c for row, cs in enumerate(columns) for c in cs]
+    mask = torch.full((rows, total), torch.finfo(dtype).min, dtype=dtype)
+    mask[:, :prefix_len] = 0.0
+    mask.view(-1).index_fill_(0, torch.tensor(allowed, dtype=torch.long), 0.0)
+    return mask.view(1, 1, rows, total)
+
+
+def tree_position_ids(parents: list[int], past_len: int) -> torch.Tensor:
+    """``[1, n + 1]`` position ids: the root sits at ``past_len``, a node at ``past_len + depth``."""
+    return torch.tensor([[past_len] + [past_len + d for d in node_depths(parents)]])
+
+
+# -- the dynamic tree builder (EAGLE-2) ---------------------------------------------------
+
+
+@dataclass
+class DraftTree:
+    """A draft tree under construction: parents before children, scored for expansion.
+
+    ``scores`` is the cumulative draft log-prob from the root; ``confidences`` the draft
+    probability of each node's own token; ``rows`` (sampled trees only) the distribution
+    each node was drawn from, given its earlier siblings.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)
+    rows: list[torch.Tensor] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add_children(self, parent: int, tokens: list[int], probs: list[float], rows: list[torch.Tensor] | None) -> list[int]:
+        """Append children of ``parent`` (-1: the root) with their draft probabilities; return their indices."""
+        score = self.scores[parent] if parent >= 0 else 0.0
+        depth = self.depths[parent] + 1 if parent >= 0 else 1
+        first = len(self.tokens)
+        self.tokens += tokens
+        self.parents += [parent] * len(tokens)
+        self.depths += [depth] * len(tokens)
+        self.confidences += probs
+        self.scores += [score + (math.log(p) if p > 0 else -math.inf) for p in probs]
+        if rows is not None:
+            self.rows += rows
+        return list(range(first, len(self.tokens)))
+
+    def to_draft(self, keep: list[int] | None = None) -> Draft:
+        """The tree as a Draft (only the nodes ``keep``, renumbered, when given); sampled trees carry their rows."""
+        draft = Draft(
+            torch.tensor(self.tokens, dtype=torch.long),
+            torch.tensor(self.parents, dtype=torch.long),
+            torch.stack(self.rows) if self.rows else None,
+        )
+        return draft if keep is None else keep_nodes(draft, keep)
+
+
+@dataclass(frozen=True)
+class GrownTree:
+    """What ``grow_dynamic_tree`` returns.
+
+    Args:
+        draft: the finished tree.
+        depth: the depth of its deepest node.
+        tree_nodes: the ``DraftTree`` index of each draft node (the numbering the score
+            callback saw); they differ only where the budget dropped nodes.
+    """
+
+    draft: Draft
+    depth: int
+    tree_nodes: list[int]
+
+
+#: score(tree, nodes) -> logits [len(nodes), vocab] after each of ``nodes`` (one draft forward).
+ScoreNodes = Callable[[DraftTree, list[int]], torch.Tensor]
+
+
+def grow_dynamic_tree(
+    root_logits: torch.Tensor,  # [vocab]
+    score: ScoreNodes,
+    depth: int,
+    width: int,
+    sampling: SamplingParams,
+    sampled: bool,
+    max_nodes: int | None = None,
+    confidence_threshold: float | None = None,
+    generator: torch.Generator | None = None,
+) -> GrownTree:
+    """Grow a draft tree depth by depth (EAGLE-2, Li et al. 2024); ``width=1`` grows a chain.
+
+    The root gets ``width`` children; then, for up to ``depth - 1`` more depths, the
+    ``width`` newest leaves with the highest cumulative draft log-prob are scored in one
+    call of ``score`` and each gets ``width`` children.
+
+    Args:
+        root_logits: ``[vocab]`` draft logits after the last committed token.
+        score: ``score(tree, nodes)`` returns the draft logits ``[len(nodes), vocab]``
+            after each node; every ancestor of ``nodes`` was scored by an earlier call.
+        depth: the deepest level to grow.
+        width: children per expanded node, and leaves expanded per depth.
+        sampling: the processing of sampled children's distributions.
+        sampled: True draws siblings without replacement from the processed draft
+            distribution (``draft_probs`` = the row each was drawn from); False takes the
+            top-``width`` tokens of the raw softmax as point masses (``draft_probs=None``),
+            at any temperature (EAGLE uses deterministic trees when sampling too).
+        max_nodes: node budget (None: no limit beyond width and depth).
+        confidence_threshold: a leaf whose own draft probability is below this stays in
+            the tree but is not expanded (None: no threshold).
+        generator: the request's generator, for sampled children.
+    """
+    assert root_logits.dim() == 1 and depth >= 1 and width >= 1, f"root_logits {tuple(root_logits.shape)}, depth {depth}, width {width}"
+    assert max_nodes is None or max_nodes >= 1, f"max_nodes must be >= 1 or None, got {max_nodes}"
+    # A sampled tree enforces its budget in draw order while it grows: whether a node is
+    # in the draft must never depend on its own sampled value (or on anything drawn after
+    # it). The verifier's law is exact only when each kept sibling was drawn from its
+    # stated row given the earlier siblings, and its presence is decided before its draw;
+    # dropping low-scoring sampled nodes afterwards would bias the accepted tokens.
+    # A deterministic tree has no such constraint: it is reranked to the budget at the end.
+    draw_budget = max_nodes if sampled else None
+    tree = DraftTree()
+
+    def add_children(parent: int, logits: torch.Tensor) -> list[int]:
+        count = width if draw_budget is None else min(width, draw_budget - len(tree))
+        if count < 1:
+            return []
+        if sampled:
+            tokens, probs, rows = sampled_children(logits, count, sampling, generator)
+        else:
+            tokens, probs, rows = top_k_children(logits, count)
+        return tree.add_children(parent, tokens, probs, rows)
+
+    frontier = add_children(-1, root_logits)
+    reached = 1
+    while reached < depth:
+        leaves = expandable_leaves(tree, frontier, width, confidence_threshold)
+        if not leaves or (draw_budget is not None and len(tree) >= draw_budget):
+            break
+        if not sampled and max_nodes is not None and _budget_is_settled(tree, leaves, max_nodes):
+            break
+        logits = score(tree, leaves)  # [len(leaves), vocab], one draft forward
+        frontier = []
+        for leaf, row in zip(leaves, logits, strict=True):
+            frontier += add_children(leaf, row)
+        reached += 1
+    if draw_budget is not None or max_nodes is None or len(tree) <= max_nodes:
+        return GrownTree(tree.to_draft(), reached, list(range(len(tree))))
+    keep = best_nodes(tree.scores, max_nodes)
+    return GrownTree(tree.to_draft(keep), max(tree.depths[i] for i in keep), keep)
+
+
+def top_k_children(logits: torch.Tensor, count: int) -> tuple[list[int], list[float], None]:
+    """The ``count`` most likely tokens of ``logits`` ``[vocab]`` and their raw softmax probabilities.
+
+    Deterministic children (point masses for the verifier): scores and confidences use the
+    raw softmax, since a processed greedy distribution is a point mass.
+    """
+    probs = torch.softmax(logits, dim=-1)
+    values, indices = torch.topk(probs, min(count, probs.shape[-1]))
+    return indices.tolist(), values.tolist(), None
+
+
+def sampled_children(
+    logits: torch.Tensor, count: int, sampling: SamplingParams, generator: torch.Generator | None
+) -> tuple[list[int], list[float], list[torch.Tensor]]:
+    """Up to ``count`` distinct tokens drawn from the processed ``logits`` ``[vocab]``: tokens, draft probabilities, rows."""
+    probs = logits_to_probs(logits, sampling)
+    picks = sample_without_replacement(probs, count, generator)
+    tokens = [token for token, _ in picks]
+    return tokens, probs[tokens].tolist(), [row for _, row in picks]
+
+
+def sample_without_replacement(probs: torch.Tensor, count: int, generator: torch.Generator | None) -> list[tuple[int, torch.Tensor]]:
+    """Draw up to ``count`` distinct tokens from ``probs`` ``[vocab]``; pair each with the law it was drawn from.
+
+    Sibling i is drawn from ``probs`` with the earlier siblings' tokens zeroed and the rest
+    renormalised (Jeon et al. 2024); the verifier needs exactly that row (the Draft contract).
+    """
+    remaining = probs.clone()
+    picks = []
+    for _ in range(count):
+        mass = float(remaining.sum())
+        if mass < MIN_SIBLING_MASS:  # a stopping rule on earlier siblings only: the law stays exact
+            break
+        row = remaining / mass
+        token = int(torch.multinomial(row, 1, generator=generator))
+        picks.append((token, row))
+        remaining = remaining.clone()
+        remaining[token] = 0.0
+    return picks
+
+
+def expandable_leaves(tree: DraftTree, frontier: list[int], width: int, confidence_threshold: float | None) -> list[int]:
+    """The ``width`` leaves of ``frontier`` with the best cumulative log-prob, confident ones only."""
+    # A low-confidence token stays in the draft and only loses its children: dropping it
+    # because of its own value would bias a sampled draft away from draft_probs.
+    if confidence_threshold is not None:
+        frontier = [n for n in frontier if tree.confidences[n] >= confidence_threshold]
+    return sorted(frontier, key=lambda n: -tree.scores[n])[:width]
+
+
+def best_nodes(scores: list[float], max_nodes: int) -> list[int]:
+    """The ``max_nodes`` best nodes by cumulative log-prob (EAGLE-2's rerank), in tree order.
+
+    Closed under ancestors: a child's score is its parent's plus a log-prob <= 0, so never
+    higher, and the stable sort ranks the earlier node (the parent) first on a tie.
+    """
+    ranked = sorted(range(len(scores)), key=scores.__getitem__, reverse=True)  # stable, also reversed
+    return sorted(ranked[:max_nodes])
+
+
+def _budget_is_settled(tree: DraftTree, leaves: list[int], max_nodes: int) -> bool:
+    """Whether no descendant of ``leaves`` can enter the best ``max_nodes``: growing further cannot change the rerank.
+
+    A descendant scores at most its leaf's score and loses ties to every earlier node.
+    """
+    if len(tree) < max_nodes:
+        return False
+    return sorted(tree.scores, reverse=True)[max_nodes - 1] >= max(tree.scores[n] for n in leaves)
+
+
+# -- KV cache ------------------------------------------------------------------------------
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first ``length`` positions of every layer of a ``transformers.DynamicCache``."""
+    for layer in cache.layers:
+        if layer.keys is not None and layer.keys.shape[-2] > length:
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
+
+
+def compact_cache(cache, prefix_len: int, kept: list[int]) -> None:
+    """Keep the first ``prefix_len`` positions of a ``DynamicCache``, then the positions ``kept``, in that order.
+
+    This drops the KV of a tree's rejected nodes. When ``kept`` directly continues the
+    prefix it is a crop (views, no copy); otherwise one ``index_select`` per layer.
+    """
+    if kept == list(range(prefix_len, prefix_len + len(kept))):
+        crop_cache(cache, prefix_len + len(kept))
+        return
+    device = cache.layers[0].keys.device
+    keep = torch.cat([torch.arange(prefix_len), torch.tensor(kept, dtype=torch.long)]).to(device)
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(-2, keep)
+        layer.values = layer.values.index_select(-2, keep)

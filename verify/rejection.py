@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from draftsmith.proposers.base import Draft, SamplingParams, VerifyResult, logits_to_probs
-
 from draftsmith.proposers.tree import children_lists
 
 

@@ -15,9 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from draftsmith.proposers.base import Draft, TargetFeatures, crop_cache, output_vocab_size
-
-from draftsmith.proposers.tree import tree_attention_mask, tree_position_ids
+from draftsmith.proposers.base import Draft, TargetFeatures, output_vocab_size
+from draftsmith.proposers.tree import compact_cache, crop_cache, tree_attention_mask, tree_position_ids
 
 TARGET_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -89,14 +88,10 @@ class Target:
     def commit(self, accepted_nodes: list[int]) -> None:
         """Keep the root and the accepted nodes in the cache; drop every other scored entry."""
         past = self._scored_past
-        if self._scored_chain or accepted_nodes == list(range(len(accepted_nodes))):
+        if self._scored_chain:  # the accepted nodes directly follow the root
             crop_cache(self.cache, past + 1 + len(accepted_nodes))
             return
-        nodes = torch.tensor(accepted_nodes) + (past + 1)
-        keep = torch.cat([torch.arange(past + 1), nodes]).to(self.model.device)
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(-2, keep)
-            layer.values = layer.values.index_select(-2, keep)
+        compact_cache(self.cache, past + 1, [past + 1 + node for node in accepted_nodes])
 
     def _forward(self, input_ids: torch.Tensor, **kwargs) -> TargetOutput:
         want_hidden = bool(self.hidden_layers)

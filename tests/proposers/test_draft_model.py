@@ -20,7 +20,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import DynamicCache, PreTrainedTokenizerFast
 
-import draftsmith.proposers.draft_model as draft_model
+import draftsmith.proposers.tree as tree
 from draftsmith.proposers import load_proposer
 from draftsmith.proposers.base import ProposeContext, SamplingParams, logits_to_probs
 from draftsmith.proposers.draft_model import DraftModelProposer
@@ -74,7 +74,7 @@ CONFIGS = {
 
 # Measured with the copy draft over 40 tokens: 4.44 (k = 4: 4 accepted + 1 bonus per forward,
 # less the last partial step), 5.71 when dynamic depth grows to k_max = 8, 2.86 when the
-# node budget stops the tree at depth 2.
+# node budget keeps the 5 best nodes of the tree (they reach depth 2 only).
 COPY_MIN_TAU = {
     "chain": 4.0, "tree": 4.0, "tree_budget": 2.5, "dynamic_chain": 5.0, "dynamic_tree": 4.0, "wrapper_chain": 4.0, "wrapper_tree": 4.0,
 }  # fmt: skip
@@ -250,7 +250,7 @@ def test_sampled_output_follows_the_target_law(case, law_models, law_check):
     assert 0.05 < sum(a > 0 for a in accepted) / len(accepted) < 0.95
 
 
-sample_without_replacement = draft_model._sample_without_replacement
+sample_without_replacement = tree.sample_without_replacement
 
 
 def sample_ignoring_earlier_siblings(probs, count, generator):
@@ -259,7 +259,7 @@ def sample_ignoring_earlier_siblings(probs, count, generator):
 
 
 def test_negative_control_wrong_draft_probs_fails_the_law_test(law_models, law_check, monkeypatch):
-    monkeypatch.setattr(draft_model, "_sample_without_replacement", sample_ignoring_earlier_siblings)
+    monkeypatch.setattr(tree, "sample_without_replacement", sample_ignoring_earlier_siblings)
     config, temperature = LAW_CASES["tree_t1.0"]
     target, draft_lm = law_models
     counts, _ = sample_law(target, DraftModelProposer(draft_lm, k=4, **config), temperature, N_CONTROL)

@@ -1,38 +1,83 @@
-"""Tree utilities: masks and positions score a tree like its linear paths; pruning; depths."""
+"""The tree layer: structure, masks and positions, the dynamic tree builder, KV-cache helpers.
+
+The builder tests drive ``grow_dynamic_tree`` with a fake draft over V = 8 tokens whose
+logits depend only on the path of token ids (a seeded table), so every tree is cheap and
+exactly reproducible.
+"""
 
 from __future__ import annotations
 
-import torch
+import math
 
-from draftsmith.proposers.base import Draft
-from draftsmith.verify.target import Target
+import pytest
+import torch
+from transformers import DynamicCache
+
+from draftsmith.proposers.base import Draft, SamplingParams, logits_to_probs
+from draftsmith.proposers.lean_forward import causal_mask
 from draftsmith.proposers.tree import (
-    ancestor_matrix,
+    best_nodes,
     children_lists,
+    compact_cache,
+    crop_cache,
+    grow_dynamic_tree,
+    incremental_tree_mask,
+    keep_nodes,
     node_depths,
-    path_to,
+    node_paths,
     prune_depth,
     tree_attention_mask,
     tree_position_ids,
 )
+from draftsmith.verify.target import Target
 
 PARENTS = [-1, -1, 0, 0, 2, 1, -1]
+ALLOWED = [  # PARENTS' ancestor-or-self matrix; position 0 is the root, position i + 1 node i
+    [1, 0, 0, 0, 0, 0, 0, 0],
+    [1, 1, 0, 0, 0, 0, 0, 0],
+    [1, 0, 1, 0, 0, 0, 0, 0],
+    [1, 1, 0, 1, 0, 0, 0, 0],
+    [1, 1, 0, 0, 1, 0, 0, 0],
+    [1, 1, 0, 1, 0, 1, 0, 0],
+    [1, 0, 1, 0, 0, 0, 1, 0],
+    [1, 0, 0, 0, 0, 0, 0, 1],
+]
 
 
 def test_depths_paths_children():
     assert node_depths(PARENTS) == [1, 1, 2, 2, 3, 2, 1]
-    assert path_to(PARENTS, 4) == [0, 2, 4]
+    assert node_paths(PARENTS) == [[0], [1], [0, 2], [0, 3], [0, 2, 4], [1, 5], [6]]
     assert children_lists(PARENTS) == [[0, 1, 6], [2, 3], [5], [4], [], [], [], []]
 
 
-def test_mask_and_positions():
-    anc = ancestor_matrix(PARENTS)
-    assert anc[5].tolist() == [True, True, False, True, False, True, False, False]  # root, node 0, node 2, node 4
+def test_verifier_mask_and_positions():
     mask = tree_attention_mask(PARENTS, past_len=3)
     assert mask.shape == (1, 1, 8, 11)
     assert (mask[0, 0, :, :3] == 0).all()  # everyone sees the cached prefix
-    assert ((mask[0, 0, :, 3:] == 0) == anc).all()
+    assert (mask[0, 0, :, 3:] == 0).int().tolist() == ALLOWED
+    assert mask.min() == torch.finfo(torch.float32).min
+    assert tree_attention_mask([], past_len=2).tolist() == [[[[0.0, 0.0, 0.0]]]]  # the root alone
     assert tree_position_ids(PARENTS, past_len=3).tolist() == [[3, 4, 4, 5, 5, 6, 5, 4]]
+
+
+def test_incremental_mask_equals_the_verifier_mask_where_they_overlap():
+    """Fed depth by depth (the cache then holds the nodes out of tree order) or all at once,
+    each node's row is its row of the verifier's mask, with the root moved into the prefix."""
+    past = 3  # the verifier's cache; the draft's holds the root as well
+    verifier = tree_attention_mask(PARENTS, past)[0, 0]
+    all_at_once = incremental_tree_mask(PARENTS, [], list(range(len(PARENTS))), past + 1)[0, 0]
+    torch.testing.assert_close(all_at_once, verifier[1:], rtol=0, atol=0)
+    cached: list[int] = []
+    for nodes in ([6, 1, 0], [3, 2, 5], [4]):  # an expansion order a draft could use
+        mask = incremental_tree_mask(PARENTS, cached, nodes, past + 1)[0, 0]
+        assert mask.shape == (len(nodes), past + 1 + len(cached) + len(nodes))
+        columns = [past + 1 + node for node in cached + nodes]  # where each fed node sits in the verifier's layout
+        torch.testing.assert_close(mask, verifier[[n + 1 for n in nodes]][:, list(range(past + 1)) + columns], rtol=0, atol=0)
+        cached += nodes
+    with pytest.raises(KeyError):  # node 4's parent (node 2) is not in the cache
+        incremental_tree_mask(PARENTS, [0], [4], past + 1)
+    # A chain fed at once is plain causal attention: the lean forward's own mask.
+    torch.testing.assert_close(incremental_tree_mask([-1, 0, 1], [], [0, 1, 2], 2), causal_mask(2, 3, torch.float32), rtol=0, atol=0)
 
 
 def test_tree_forward_matches_each_linear_path(model):
@@ -43,9 +88,8 @@ def test_tree_forward_matches_each_linear_path(model):
     target = Target(model)
     target.prefill(prompt[:, :-1])
     out = target.score(int(prompt[0, -1]), Draft(tokens, torch.tensor(PARENTS)))
-    for node in range(len(PARENTS)):
-        path = tokens[path_to(PARENTS, node)]
-        ref = model(torch.cat([prompt[0], path])[None]).logits[0, -1]
+    for node, path in enumerate(node_paths(PARENTS)):
+        ref = model(torch.cat([prompt[0], tokens[path]])[None]).logits[0, -1]
         torch.testing.assert_close(out.logits[node + 1], ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.logits[0], model(prompt).logits[0, -1], atol=1e-5, rtol=1e-5)
 
@@ -59,9 +103,190 @@ def test_prune_depth_renumbers_parents():
     assert torch.equal(pruned.draft_probs, probs[[0, 1, 2, 3, 5, 6]])
     assert prune_depth(draft, 0).num_nodes == 0
     assert prune_depth(draft, 5) is draft
+    assert keep_nodes(draft, [1, 5]).parents.tolist() == [-1, 0]
 
 
 def test_chain_detection():
     assert Draft.chain([4, 5, 6]).is_chain()
     assert not Draft(torch.tensor([1, 2]), torch.tensor([-1, -1])).is_chain()
     assert Draft.empty().is_chain()
+
+
+# ---------------------------------------------------------------------------------------
+# The dynamic tree builder
+
+V = 8
+
+
+def fake_logits(path: tuple[int, ...]) -> torch.Tensor:
+    """``[V]`` draft logits after the token path ``path``: a seeded table, the same on every call."""
+    seed = sum((t + 1) * 31**i for i, t in enumerate(path)) % (2**31)
+    return torch.randn(V, generator=torch.Generator().manual_seed(seed)) * 2.0
+
+
+class FakeDraft:
+    """A ``score`` callback over ``fake_logits`` that records every call."""
+
+    def __init__(self):
+        self.calls: list[list[int]] = []
+
+    def __call__(self, tree, nodes):
+        self.calls.append(list(nodes))
+        paths = node_paths(tree.parents)
+        return torch.stack([fake_logits(tuple(tree.tokens[j] for j in paths[n])) for n in nodes])
+
+
+def grow(depth=4, width=3, temperature=0.0, sampled=False, seed=0, **kwargs):
+    score = FakeDraft()
+    generator = torch.Generator().manual_seed(seed)
+    grown = grow_dynamic_tree(fake_logits(()), score, depth, width, SamplingParams(temperature), sampled, generator=generator, **kwargs)
+    return grown, score
+
+
+def path_scores(draft: Draft) -> list[float]:
+    """Cumulative draft log-prob of each node, recomputed in float64 from its path."""
+    tokens = draft.token_ids.tolist()
+    scores = []
+    for path in node_paths(draft.parent_list):
+        prefix = tuple(tokens[j] for j in path[:-1])
+        log_probs = torch.log_softmax(fake_logits(prefix).double(), -1)
+        scores.append((scores[path[-2]] if len(path) > 1 else 0.0) + float(log_probs[tokens[path[-1]]]))
+    return scores
+
+
+def test_deterministic_tree_expands_the_best_leaves_with_top_k_children():
+    grown, score = grow(depth=3, width=2)
+    draft = grown.draft
+    assert draft.num_nodes == 2 + 4 + 4 and grown.depth == 3 and draft.draft_probs is None
+    tokens, parents, scores = draft.token_ids.tolist(), draft.parent_list, path_scores(draft)
+    paths = node_paths(parents)
+    for parent, children in enumerate(children_lists(parents)):
+        prefix = () if parent == 0 else tuple(tokens[j] for j in paths[parent - 1])
+        if children:
+            assert [tokens[c] for c in children] == torch.topk(fake_logits(prefix), len(children)).indices.tolist()
+    for call, expanded in zip(score.calls, ([0, 1], [2, 3, 4, 5]), strict=True):  # the 2 best leaves of each depth
+        assert sorted(call) == sorted(sorted(expanded, key=lambda n: -scores[n])[:2])
+        assert call == sorted(call, key=lambda n: -scores[n])
+
+
+def test_budget_rerank_is_the_best_n_closed_under_ancestors():
+    """A deterministic tree is grown in full, then cut to the N best nodes by cumulative log-prob (EAGLE-2)."""
+    full, _ = grow(depth=4, width=3)
+    scores = path_scores(full.draft)
+    for max_nodes in (1, 4, 10, 17):
+        grown, _ = grow(depth=4, width=3, max_nodes=max_nodes)
+        kept = grown.tree_nodes
+        assert len(kept) == max_nodes == grown.draft.num_nodes and kept == sorted(kept)
+        parents = full.draft.parent_list
+        assert all(parents[n] == -1 or parents[n] in kept for n in kept), "not closed under ancestors"
+        ranked = sorted(range(len(scores)), key=lambda n: -scores[n])
+        assert scores[ranked[max_nodes - 1]] - scores[ranked[max_nodes]] > 1e-4  # no near-tie: the check below is meaningful
+        assert set(kept) == set(ranked[:max_nodes])
+        expected = keep_nodes(full.draft, kept)
+        assert torch.equal(grown.draft.token_ids, expected.token_ids) and torch.equal(grown.draft.parents, expected.parents)
+        assert grown.depth == max(node_depths(expected.parent_list))
+
+
+def test_best_nodes_ties_keep_ancestors():
+    # A child with probability 1 ties its parent; the parent (earlier) ranks first.
+    assert best_nodes([-1.0, -1.0, -1.0, -0.5], 2) == [0, 3]
+    assert best_nodes([0.0, -math.inf, -math.inf], 2) == [0, 1]
+
+
+def test_budget_stops_growing_once_the_rerank_is_settled():
+    """A chain's budget is reached after N nodes: the rerank cannot change, so no more draft forwards."""
+    grown, score = grow(depth=6, width=1, max_nodes=3)
+    assert grown.draft.is_chain() and grown.draft.num_nodes == 3 and len(score.calls) == 2
+    unbudgeted, _ = grow(depth=3, width=1)
+    assert torch.equal(grown.draft.token_ids, unbudgeted.draft.token_ids)
+
+
+def test_sampled_tree_keeps_siblings_in_draw_order_with_their_rows():
+    """Sibling k was drawn from the processed draft distribution with siblings 0..k-1 removed, renormalised."""
+    sampling = SamplingParams(0.7)
+    grown, _ = grow(depth=3, width=3, temperature=0.7, sampled=True, seed=1)
+    draft = grown.draft
+    tokens, paths = draft.token_ids.tolist(), node_paths(draft.parent_list)
+    assert draft.draft_probs is not None and draft.num_nodes > 3
+    for parent, children in enumerate(children_lists(draft.parent_list)):
+        if not children:
+            continue
+        prefix = () if parent == 0 else tuple(tokens[j] for j in paths[parent - 1])
+        remaining = logits_to_probs(fake_logits(prefix), sampling)
+        for child in children:
+            torch.testing.assert_close(draft.draft_probs[child], remaining / remaining.sum())
+            assert draft.draft_probs[child, tokens[child]] > 0
+            remaining = remaining.clone()
+            remaining[tokens[child]] = 0.0
+        assert len({tokens[c] for c in children}) == len(children)  # without replacement
+
+
+def test_sampled_budget_keeps_the_first_n_draws():
+    """The budget cuts a sampled tree in draw order: the same draws as without it, the first N kept."""
+    full, _ = grow(depth=3, width=3, temperature=1.0, sampled=True, seed=4)
+    for max_nodes in (2, 5, 9):
+        grown, _ = grow(depth=3, width=3, temperature=1.0, sampled=True, seed=4, max_nodes=max_nodes)
+        assert grown.tree_nodes == list(range(max_nodes))
+        assert torch.equal(grown.draft.token_ids, full.draft.token_ids[:max_nodes])
+        assert torch.equal(grown.draft.parents, full.draft.parents[:max_nodes])
+        assert torch.equal(grown.draft.draft_probs, full.draft.draft_probs[:max_nodes])
+
+
+def test_deterministic_children_at_a_positive_temperature():
+    """Top-k children are a parameter of their own: point masses even when the request samples."""
+    greedy, _ = grow(depth=3, width=2)
+    sampling, _ = grow(depth=3, width=2, temperature=0.7, sampled=False)
+    assert sampling.draft.draft_probs is None
+    assert torch.equal(sampling.draft.token_ids, greedy.draft.token_ids)
+
+
+def test_confidence_threshold_stops_expansion():
+    """A leaf under the threshold stays in the tree without children and is never scored."""
+    threshold = 0.3
+    grown, score = grow(depth=4, width=2, confidence_threshold=threshold)
+    draft = grown.draft
+    tokens, parents = draft.token_ids.tolist(), draft.parent_list
+    paths = node_paths(parents)
+    confidence = []
+    for node, path in enumerate(paths):
+        prefix = tuple(tokens[j] for j in path[:-1])
+        confidence.append(float(torch.softmax(fake_logits(prefix), -1)[tokens[node]]))
+    scored = {n for call in score.calls for n in call}
+    assert any(c < threshold for c in confidence) and scored, "the case is not exercised"
+    for node, children in enumerate(children_lists(parents)[1:]):
+        if confidence[node] < threshold:
+            assert not children and node not in scored
+    chain, chain_score = grow(depth=6, width=1, confidence_threshold=0.99)
+    assert chain.draft.num_nodes == 1 and chain.depth == 1 and not chain_score.calls
+
+
+# ---------------------------------------------------------------------------------------
+# KV cache
+
+
+def filled_cache(length: int, layers: int = 2) -> DynamicCache:
+    """A cache whose key and value at position i are all i (1 batch, 2 heads, head dim 4)."""
+    cache = DynamicCache()
+    positions = torch.arange(length, dtype=torch.float32)[None, None, :, None].expand(1, 2, length, 4)
+    for layer in range(layers):
+        cache.update(positions.clone(), positions.clone() + 100, layer)
+    return cache
+
+
+def cached_positions(cache: DynamicCache) -> list[list[int]]:
+    return [layer.keys[0, 0, :, 0].int().tolist() for layer in cache.layers]
+
+
+def test_crop_and_compact_cache():
+    cache = filled_cache(10)
+    crop_cache(cache, 7)
+    assert cached_positions(cache) == [list(range(7))] * 2
+    compact_cache(cache, 3, [5, 6])  # the kept positions are not contiguous with the prefix: a copy
+    assert cached_positions(cache) == [[0, 1, 2, 5, 6]] * 2
+    assert cache.layers[1].values[0, 1, :, 2].int().tolist() == [100, 101, 102, 105, 106]
+    cache = filled_cache(10)
+    keys = cache.layers[0].keys
+    compact_cache(cache, 4, [4, 5])  # a contiguous path: a crop, views of the same storage
+    assert cached_positions(cache) == [list(range(6))] * 2
+    assert cache.layers[0].keys.data_ptr() == keys.data_ptr()
+    assert cache.get_seq_length() == 6
