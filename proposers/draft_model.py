@@ -4,13 +4,14 @@ Speculative decoding as in Leviathan et al. 2023 and Chen et al. 2023. The tree 
 shared dynamic tree of ``proposers.tree`` (EAGLE-2, Li et al. 2024), one draft forward per
 depth through the incremental tree mask. What is specific to a draft LM lives here:
 loading and vocabulary checks, its own KV cache (after every verification it drops the
-rejected guesses and keeps the accepted ones of a chain, so the next draft starts after
-one new token), the lean forward through the draft's own submodules (``lean_forward``) and the
+rejected guesses and keeps the accepted ones, so the next draft starts after one new
+token), the lean forward through the draft's own submodules (``lean_forward``), and the
 dynamic draft depth.
 """
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from .base import Draft, ProposeContext, TargetFeatures, TransformersPeer, VerifyResult, output_vocab_size
 from .lean_forward import LeanForward
-from .tree import DraftTree, crop_cache, grow_dynamic_tree, incremental_tree_mask
+from .tree import DraftTree, compact_cache, crop_cache, grow_dynamic_tree, incremental_tree_mask
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 SAMPLED_TOKEN_IDS = 4096  # token strings compared between draft and target tokenizers
@@ -49,8 +50,8 @@ class DraftModelProposer:
             False always calls ``model(...)``. Either way the draft probabilities are the
             ones the tokens were drawn from, so the choice never changes what is lossless.
 
-    The cache keeps the KV of a chain's accepted draft tokens (``observe`` drops the rest),
-    so the next step feeds only the target's recovered or bonus token.
+    The cache keeps the KV of the accepted draft tokens that were fed to draft (``observe``
+    drops the rest), so the next step feeds only the target's recovered or bonus token.
     """
 
     hidden_layers: tuple[int, ...] = ()
@@ -84,7 +85,7 @@ class DraftModelProposer:
         self.cache: DynamicCache | None = None
         self.cached_tokens: list[int] = []  # tokens whose KV the cache holds, in order (committed or a chain's guesses)
         self._last_depth = 0
-        self._committed: int | None = None  # committed tokens at the last propose
+        self._pending: tuple[int, list[int]] | None = None  # (committed tokens, tree node of each draft node) of the last propose
         self._fed: list[int] = []  # tree nodes fed into the cache after the committed tokens, in cache order
 
     @classmethod
@@ -135,7 +136,7 @@ class DraftModelProposer:
         """
         self.cache = DynamicCache(config=self.model.config)
         self.cached_tokens = []
-        self.depth, self._last_depth, self._committed = self.k, 0, None
+        self.depth, self._last_depth, self._pending = self.k, 0, None
         if prompt:
             self._forward(list(prompt), last=1)
 
@@ -143,8 +144,8 @@ class DraftModelProposer:
     def propose(self, context: ProposeContext) -> Draft:
         """Catch the cache up with ``context.tokens`` and draft.
 
-        A tree's nodes leave the cache before this returns; a chain's fed tokens stay until
-        ``observe`` keeps the accepted ones (they sit at their final positions already).
+        The nodes fed to draft stay in the cache until ``observe`` keeps the accepted ones
+        (a chain's already sit at their final positions; a tree's are compacted).
         """
         assert context.tokens, "propose() needs at least one committed token"
         depth = min(self.depth, context.max_depth)
@@ -168,10 +169,8 @@ class DraftModelProposer:
         except BaseException:
             self._crop(committed)
             raise
-        if self.tree_width > 1:
-            self._crop(committed)  # tree nodes sit in the cache out of path order
         self._last_depth = grown.depth
-        self._committed = committed
+        self._pending = (committed, grown.tree_nodes)
         return grown.draft
 
     def observe(self, result: VerifyResult, features: TargetFeatures | None) -> None:
@@ -179,9 +178,13 @@ class DraftModelProposer:
 
         The committed tokens themselves catch up lazily in ``propose``.
         """
-        if self._committed is not None:
-            self._crop(self._committed + result.num_accepted)
-            self._committed = None
+        if self._pending is not None:
+            committed, tree_nodes = self._pending
+            self._pending = None
+            if self.tree_width == 1:
+                self._crop(committed + result.num_accepted)
+            else:
+                self._keep_accepted(committed, [tree_nodes[i] for i in result.accepted_nodes], result.accepted_tokens)
         drafted, self._last_depth = self._last_depth, 0
         if not self.dynamic or drafted == 0:
             return
@@ -224,6 +227,16 @@ class DraftModelProposer:
         """Keep the first ``length`` cached positions and their tokens."""
         crop_cache(self.cache, length)
         del self.cached_tokens[length:]
+
+    def _keep_accepted(self, committed: int, path: list[int], tokens: list[int]) -> None:
+        """Compact a tree's fed nodes to the accepted ones: ``path`` (tree nodes, root to leaf) and their ``tokens``.
+
+        A fed node's ancestors were fed before it, so the fed part of the path is a prefix.
+        """
+        slot = {node: committed + i for i, node in enumerate(self._fed)}
+        kept = list(itertools.takewhile(slot.__contains__, path))
+        compact_cache(self.cache, committed, [slot[node] for node in kept])
+        self.cached_tokens += tokens[: len(kept)]
 
     # -- drafting --------------------------------------------------------------------
 

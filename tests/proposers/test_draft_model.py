@@ -123,49 +123,58 @@ def test_tree_children_are_the_top_tokens_after_their_path(drafts, prompt):
 # The draft cache
 
 
-def assert_cache_is_fresh_prefill(proposer: DraftModelProposer, tokens: list[int]) -> None:
-    """The cache holds exactly ``tokens``' KV, as one prefill of them would."""
+def assert_cache_is_fresh_prefill(proposer: DraftModelProposer, tokens: list[int], extra: int = 0) -> None:
+    """The cache holds ``tokens``' KV, as one prefill of them would (then ``extra`` tree nodes' KV)."""
     assert proposer.cached_tokens == tokens
-    assert proposer.cache_len == len(tokens)
+    assert proposer.cache_len == len(tokens) + extra
     fresh = DynamicCache(config=proposer.model.config)
     with torch.no_grad():
         proposer.model(torch.tensor([tokens]), cache=fresh, use_cache=True)
     for mine, ref in zip(proposer.cache.layers, fresh.layers, strict=True):
-        torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(mine.keys[..., : len(tokens), :], ref.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(mine.values[..., : len(tokens), :], ref.values, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("config", ["chain", "tree"])
 def test_draft_cache_holds_exactly_the_committed_tokens(config, temperature, model, drafts, prompt, monkeypatch):
-    """After propose: the committed tokens, then (chains only) the draft tokens fed to reach the last.
-    After observe: the committed tokens and the accepted guesses, never a rejected one."""
+    """After propose: the committed tokens, then the draft nodes fed to reach the deepest level
+    (a chain's in path order; a tree's expanded nodes, out of path order).
+    After observe: the committed tokens and the accepted guesses that were fed, never a rejected one."""
     proposer = DraftModelProposer(drafts["near"], target=model, **CONFIGS[config])
     propose, observe = proposer.propose, proposer.observe
-    pending, steps, contexts = [], [], []  # steps: (accepted, fed) per proposed draft
+    pending, steps, contexts = [], [], []  # steps: (kept, fed) per proposed draft
 
     def checked_propose(context):
         draft = propose(context)
-        fed = draft.token_ids.tolist()[: draft.num_nodes - 1] if config == "chain" else []
-        assert_cache_is_fresh_prefill(proposer, context.tokens + fed)
+        if config == "chain":
+            fed, expanded = draft.token_ids.tolist()[: draft.num_nodes - 1], set()
+            assert_cache_is_fresh_prefill(proposer, context.tokens + fed)
+        else:  # no budget here, so the fed nodes are the ones with children
+            fed, expanded = [], set(draft.parent_list) - {-1}
+            assert_cache_is_fresh_prefill(proposer, context.tokens, extra=len(expanded))
         contexts.append(list(context.tokens))
-        pending.append((list(context.tokens), fed))
+        pending.append((list(context.tokens), fed, expanded))
         return draft
 
     def checked_observe(result, features):
         observe(result, features)
         if pending:  # a step without a draft (no room left) leaves the cache alone
-            tokens, fed = pending.pop()
-            kept = result.accepted_tokens[: len(fed)]
+            tokens, fed, expanded = pending.pop()
+            if config == "chain":
+                kept = result.accepted_tokens[: len(fed)]
+            else:
+                fed_on_path = list(itertools.takewhile(expanded.__contains__, result.accepted_nodes))
+                kept = result.accepted_tokens[: len(fed_on_path)]
             assert_cache_is_fresh_prefill(proposer, tokens + kept)
-            steps.append((len(kept), len(fed)))
+            steps.append((len(kept), len(fed) if config == "chain" else len(expanded)))
 
     monkeypatch.setattr(proposer, "propose", checked_propose)
     monkeypatch.setattr(proposer, "observe", checked_observe)
     result = SpeculativeDecoder(model, proposer).generate(prompt, max_new_tokens=16, temperature=temperature, seed=0)
     assert len(contexts) > 3 and result.stats.drafted_tokens > 0
-    if config == "chain":  # both cases happened: accepted guesses kept, fed guesses dropped
-        assert any(kept > 0 for kept, _ in steps) and any(kept < fed for kept, fed in steps), steps
+    # Both cases happened: accepted guesses kept, fed guesses dropped.
+    assert any(kept > 0 for kept, _ in steps) and any(kept < fed for kept, fed in steps), steps
     # Lazy catch-up also survives a history that diverged from the cache (a new request without begin).
     tokens = contexts[-1][:8] + [7, 8, 9]
     checked_propose(ProposeContext(tokens, max_depth=4, sampling=SamplingParams(temperature), generator=torch.Generator()))
