@@ -324,7 +324,7 @@ def test_config_errors(checkpoints):
     target = checkpoints["target"]
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['depth'\].*valid keys"):
         load_proposer({"type": "draft_model", "model": checkpoints["draft"], "depth": 3}, target=target)
-    with pytest.raises(ValueError, match="needs 'model'"):
+    with pytest.raises(ValueError, match=r"missing required key\(s\) \['model'\]"):
         load_proposer({"type": "draft_model"}, target=target)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_proposer({"type": "draft_model", "model": "/nonexistent/draft"}, target=target)
