@@ -82,7 +82,7 @@ def run_generate(args) -> int:
 
 
 def run_eval(args) -> int:
-    from draftsmith.verify.evaluation import EvalConfig, evaluate
+    from draftsmith.verify.evaluation.evaluate import EvalConfig, evaluate
 
     print_summary(evaluate(EvalConfig.from_yaml(args.config, args.overrides), progress=not args.no_progress))
     return 0

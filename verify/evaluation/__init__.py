@@ -1,5 +1,1 @@
-"""Evaluation, kept apart from the decode core: per-domain prompts, the run, the report."""
-
-from .evaluate import EvalConfig, evaluate
-
-__all__ = ["EvalConfig", "evaluate"]
+"""Evaluation, kept apart from the decode core: per-domain prompts (domains), the run (evaluate), the report."""

@@ -13,16 +13,16 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from tqdm.auto import tqdm
 
 from draftsmith.proposers import load_proposer
 from draftsmith.proposers.base import TransformersPeer
+from draftsmith.proposers.config import build, load
 
 from ..decoder import SpeculativeDecoder
 from ..stats import DecodeStats
@@ -64,35 +64,25 @@ class EvalConfig:
     output_dir: str = "outputs/eval"
     threads: int | None = None
 
+    def __post_init__(self):
+        if not self.domains:
+            raise ValueError("'domains' is empty; give at least one name: file")
+        if PLAIN in self.proposers:
+            raise ValueError(f"the row name {PLAIN!r} is reserved for plain decoding")
+        for name in ("num_prompts", "prompt_tokens", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 or null, got {self.threads}")
+
     @staticmethod
-    def from_yaml(path: str | Path, overrides: list[str] = ()) -> EvalConfig:
-        """Read a config file; ``overrides`` are ``key=value`` strings (values parsed as YAML)."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"eval config {path} does not exist")
-        raw = yaml.safe_load(path.read_text()) or {}
-        for item in overrides:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise ValueError(f"override {item!r} is not key=value")
-            raw[key] = yaml.safe_load(value)
-        return EvalConfig.from_dict(raw, where=str(path))
+    def from_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> EvalConfig:
+        """Read a config file (the project's config loader: unknown keys and wrong types fail); ``key=value`` overrides on top."""
+        return load(EvalConfig, path, overrides, what="eval config")
 
     @staticmethod
     def from_dict(raw: dict[str, Any], where: str = "eval config") -> EvalConfig:
-        valid = [f.name for f in fields(EvalConfig)]
-        unknown = sorted(set(raw) - set(valid))
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys: {valid}")
-        missing = [k for k in ("target", "domains") if k not in raw]
-        if missing:
-            raise ValueError(f"{where}: missing required key(s) {missing}")
-        if not raw["domains"]:
-            raise ValueError(f"{where}: 'domains' is empty; give at least one name: file")
-        config = EvalConfig(**raw)
-        if PLAIN in config.proposers:
-            raise ValueError(f"{where}: the row name {PLAIN!r} is reserved for plain decoding")
-        return config
+        return build(EvalConfig, raw, where)
 
 
 @dataclass

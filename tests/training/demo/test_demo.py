@@ -27,7 +27,7 @@ def test_quick_demo_end_to_end(tmp_path, monkeypatch):
     summary = run_demo(quick=True, output_dir=str(tmp_path / "demo"), num_prompts=2, max_new_tokens=16)
     rows = {(r["domain"], r["method"]): r for r in summary["rows"]}
     for domain in ("code", "prose", "copy"):
-        for method in ("plain", "ngram", "ngram_tree", "hf_prompt_lookup"):
+        for method in ("plain", "ngram", "ngram_tree", "hf_prompt_lookup[ngram]"):
             row = rows[(domain, method)]
             assert row["identical"] == "2/2", (domain, method)
             assert row["tau"] >= 1.0
