@@ -316,7 +316,8 @@ def top_k_children(logits: torch.Tensor, count: int) -> tuple[list[int], list[fl
     """The ``count`` most likely tokens of ``logits`` ``[vocab]`` and their raw softmax probabilities.
 
     Deterministic children (point masses for the verifier): scores and confidences use the
-    raw softmax, since a processed greedy distribution is a point mass.
+    raw softmax at any temperature, as in EAGLE-2 (a processed greedy distribution is a
+    point mass); which deterministic children are proposed never affects what is lossless.
     """
     probs = torch.softmax(logits, dim=-1)
     values, indices = torch.topk(probs, min(count, probs.shape[-1]))
@@ -330,7 +331,7 @@ def sampled_children(
     probs = logits_to_probs(logits, sampling)
     picks = sample_without_replacement(probs, count, generator)
     tokens = [token for token, _ in picks]
-    return tokens, probs[tokens].tolist(), [row for _, row in picks]
+    return tokens, [float(probs[token]) for token in tokens], [row for _, row in picks]  # a list index costs more for 1-3 tokens
 
 
 def sample_without_replacement(probs: torch.Tensor, count: int, generator: torch.Generator | None) -> list[tuple[int, torch.Tensor]]:
