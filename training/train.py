@@ -143,7 +143,9 @@ def resolved_recipe(cfg: TrainConfig) -> str:
     where = Path(cfg.output_dir) / CONFIG_FILE
     header = f"# The resolved recipe of this {cfg.type} run. It runs again as is:\n#\n"
     header += f"#   python -m draftsmith.training.train --config {where}\n"
-    return header + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+    values = dataclasses.asdict(cfg)
+    first = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in {g.name for g in dataclasses.fields(LoopConfig)}]
+    return header + yaml.safe_dump({**{k: values.pop(k) for k in first}, **values}, sort_keys=False)
 
 
 def run_dir_of(cfg: TrainConfig) -> Path:

@@ -238,7 +238,7 @@ def test_resume_after_interrupt_reproduces_the_uninterrupted_run(target_dir, tex
 
 
 def test_lora_trains_adapters_only_and_merges_into_a_plain_checkpoint(target_dir, text_file, tmp_path):
-    # the base: a fresh 1-layer student saved with the target's tokenizer
+    # the base: a fresh 1-layer draft saved with the target's tokenizer
     base_dir = tmp_path / "base"
     cfg = tiny_config(target_dir, text_file, tmp_path / "lora")
     target = AutoModelForCausalLM.from_pretrained(target_dir)
