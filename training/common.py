@@ -7,6 +7,8 @@ directory and renamed when complete, so an interrupt never leaves half a checkpo
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -156,10 +158,60 @@ def export_atomically(out: Path, write) -> Path:
     return out
 
 
+def small_llama(
+    tokenizer, vocab_size: int, hidden_size: int, intermediate_size: int, layers: int, heads: int, kv_heads: int, positions: int
+):
+    """A freshly initialised Llama with tied embeddings and the tokenizer's special tokens (the demo target, a fresh draft)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden_size // heads,
+        max_position_embeddings=positions,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(config)
+
+
 def _write_atomic(path: Path, text: str) -> None:
     partial = path.with_name(f".{path.name}.tmp")
     partial.write_text(text)
     os.replace(partial, path)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int):
+    """Run the block with ``threads`` torch CPU threads (0 keeps the current setting), restoring the caller's afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def recipe_command(argv: list[str] | None, description: str, load_config, run, report) -> None:
+    """The command line of a trainer: ``--config recipe.yaml key=value section.key=value ...``.
+
+    SIGTERM checkpoints like Ctrl-C; the first process prints ``report(run(config))``.
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", default=None, help="YAML recipe (default: built-in defaults)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of recipe keys (section.key=value for nested keys)")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    sigterm_as_interrupt()  # kill = Ctrl-C: checkpoint, then exit
+    out = run(cfg)
+    if first_process():
+        print(report(out))
 
 
 def sigterm_as_interrupt() -> None:

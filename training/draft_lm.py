@@ -14,11 +14,12 @@ from typing import Literal
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from draftsmith.proposers.draft_model import check_vocabulary, warn_if_bigger
 
 from .capture import Captured
+from .common import small_llama
 from .losses import LOSSES, forward_kl, top1_agreement
 
 
@@ -114,23 +115,12 @@ class DraftLMObjective:
         tokenizer.save_pretrained(out_dir)
 
 
-def fresh_llama(init: DraftInit, target: nn.Module, tokenizer) -> LlamaForCausalLM:
+def fresh_llama(init: DraftInit, target: nn.Module, tokenizer) -> nn.Module:
     """A fresh Llama draft with the target's vocabulary, positions and special tokens."""
-    config = LlamaConfig(
-        vocab_size=target.config.vocab_size,
-        hidden_size=init.hidden_size,
-        intermediate_size=init.intermediate_size,
-        num_hidden_layers=init.num_layers,
-        num_attention_heads=init.num_heads,
-        num_key_value_heads=init.num_kv_heads,
-        head_dim=init.hidden_size // init.num_heads,
-        max_position_embeddings=target.config.max_position_embeddings,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    vocab, positions = target.config.vocab_size, target.config.max_position_embeddings
+    draft = small_llama(
+        tokenizer, vocab, init.hidden_size, init.intermediate_size, init.num_layers, init.num_heads, init.num_kv_heads, positions
     )
-    draft = LlamaForCausalLM(config)
     if init.copy_target_embeddings:
         source = target.get_input_embeddings().weight
         if source.shape != draft.get_input_embeddings().weight.shape:

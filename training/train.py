@@ -20,7 +20,6 @@ loss from what ``training.capture`` captured and exports it. Everything else is 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -50,14 +49,14 @@ from .common import (
     config_hash,
     cosine_lr,
     export_atomically,
-    first_process,
     flatten,
     make_adamw,
     multi_process_cpu,
     plot_curve,
+    recipe_command,
     resume,
     save_checkpoint,
-    sigterm_as_interrupt,
+    torch_threads,
 )
 from .data import DataConfig, build_dataset, check_files, collate, eval_config, make_loader
 from .objective import Objective, objective_class
@@ -415,25 +414,12 @@ def export(cfg: TrainConfig, objective: Objective, draft, tokenizer, curve: list
 
 def run(cfg: TrainConfig, interrupt_after_steps: int = 0) -> Path:
     """``train`` with the recipe's thread count, restoring the caller's afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads or threads)
-    try:
+    with torch_threads(cfg.threads):
         return train(cfg, interrupt_after_steps)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command line: ``--config recipe.yaml key=value section.key=value ...``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=None, help="YAML recipe (default: built-in defaults)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides of recipe keys (section.key=value for nested keys)")
-    args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    sigterm_as_interrupt()  # kill = Ctrl-C: checkpoint, then exit
-    out = run(cfg)
-    if first_process():
-        print(f"draft written to {out}")
+    recipe_command(argv, __doc__.splitlines()[0], load_config, run, lambda out: f"draft written to {out}")
 
 
 if __name__ == "__main__":

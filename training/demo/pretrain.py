@@ -19,7 +19,6 @@ again with the same config; the export is atomic.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -34,17 +33,18 @@ from accelerate import PartialState
 from accelerate.utils import set_seed
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
 from draftsmith.proposers.config import build, load
 from draftsmith.training.common import (
     config_hash,
     export_atomically,
-    first_process,
     make_adamw,
     multi_process_cpu,
     plot_curve,
-    sigterm_as_interrupt,
+    recipe_command,
+    small_llama,
+    torch_threads,
 )
 from draftsmith.training.data import make_loader
 from draftsmith.training.demo.corpus import DOMAINS, SPLITS, Document, collect_corpus
@@ -197,21 +197,9 @@ def load_streams(tokens_dir: Path, split: str) -> dict[str, torch.Tensor]:
 
 def build_model(cfg: PretrainConfig, tokenizer) -> LlamaForCausalLM:
     """A freshly initialised Llama with tied input / output embeddings."""
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.hidden_size // cfg.num_heads,
-        max_position_embeddings=cfg.block_size,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    return small_llama(
+        tokenizer, len(tokenizer), cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.block_size
     )
-    return LlamaForCausalLM(config)
 
 
 class Blocks(Dataset):
@@ -321,9 +309,7 @@ def run(cfg: PretrainConfig, interrupt_after_steps: int = 0) -> Path:
     if is_exported(cfg):
         print(f"{cfg.output_dir} already holds this config's model; nothing to do")
         return Path(cfg.output_dir)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads or threads)
-    try:
+    with torch_threads(cfg.threads):
         work = Path(cfg.work_dir)
         processes = PartialState(cpu=multi_process_cpu())
         with processes.main_process_first():  # the first process builds the cached stages, the others read them
@@ -336,21 +322,10 @@ def run(cfg: PretrainConfig, interrupt_after_steps: int = 0) -> Path:
             export(cfg, model, tokenizer, curve, tokens_dir)
         processes.wait_for_everyone()
         return Path(cfg.output_dir)
-    finally:
-        torch.set_num_threads(threads)  # leave the caller's setting as it was
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command line: ``--config recipe.yaml key=value ...``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=None, help="YAML recipe (default: built-in defaults)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides of recipe keys")
-    args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    sigterm_as_interrupt()  # kill = Ctrl-C: checkpoint, then exit
-    out = run(cfg)
-    if first_process():
-        print(json.dumps(json.loads((out / "heldout_loss.json").read_text())))
+    recipe_command(argv, __doc__.splitlines()[0], load_config, run, lambda out: (out / "heldout_loss.json").read_text().strip())
 
 
 if __name__ == "__main__":
