@@ -88,37 +88,6 @@ class DraftModelProposer:
         self._pending: tuple[int, list[int]] | None = None  # (committed tokens, tree node of each draft node) of the last propose
         self._fed: list[int] = []  # tree nodes fed into the cache after the committed tokens, in cache order
 
-    @classmethod
-    def from_config(
-        cls,
-        target: nn.Module | None = None,
-        model: str | None = None,
-        k: int = 4,
-        tree_width: int = 1,
-        max_nodes: int | None = None,
-        dynamic: bool = False,
-        k_min: int = 1,
-        k_max: int = 8,
-        confidence_threshold: float | None = None,
-        lean_forward: bool = True,
-    ) -> DraftModelProposer:
-        """Build from a config mapping (``load_proposer``); ``model`` is a checkpoint directory."""
-        # Explicit keywords, not **kwargs: load_proposer reads this signature to reject unknown keys.
-        if model is None:
-            raise ValueError("a draft_model config needs 'model': the directory of a causal LM checkpoint")
-        return cls(
-            model,
-            k=k,
-            tree_width=tree_width,
-            max_nodes=max_nodes,
-            dynamic=dynamic,
-            k_min=k_min,
-            k_max=k_max,
-            confidence_threshold=confidence_threshold,
-            target=target,
-            lean_forward=lean_forward,
-        )
-
     def transformers_peer(self) -> TransformersPeer:
         """transformers' assisted generation with the same draft model."""
         return TransformersPeer("hf_assisted", {"assistant_model": self.model})
