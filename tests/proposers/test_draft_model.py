@@ -248,7 +248,10 @@ def law_statistics(counts: Counter, law: dict, n: int, law_check) -> dict[str, t
     return {"tokens 1-3": law_check(counts, law, n), "tokens 1-2": law_check(pair_counts, dict(pair_law), n)}
 
 
-@pytest.mark.parametrize("case", list(LAW_CASES))
+FAST_LAW_CASES = ("chain_t0.7", "tree_t1.0")  # by default a chain and a tree; --slow runs the whole grid
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in FAST_LAW_CASES else pytest.mark.slow) for c in LAW_CASES])
 def test_sampled_output_follows_the_target_law(case, law_models, law_check):
     config, temperature = LAW_CASES[case]
     target, draft_lm = law_models
