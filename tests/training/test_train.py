@@ -312,3 +312,21 @@ def test_a_draft_bigger_than_the_target_warns(target_dir):
     target = AutoModelForCausalLM.from_pretrained(target_dir)
     with pytest.warns(UserWarning, match="more than the target"):
         make_objective(cfg).build(target, AutoTokenizer.from_pretrained(target_dir))
+
+
+def test_a_half_precision_or_sharded_target_trains_the_same_loop(target_dir, text_file, tmp_path, monkeypatch):
+    """``target_dtype`` and ``target_device_map`` reach from_pretrained; the frozen target's logits feed the fp32 draft."""
+    calls = []
+    load = train_module.load_target
+
+    def spy(*args):
+        calls.append(args)
+        model, tokenizer = load(*args)
+        calls.append(model.dtype)
+        return model, tokenizer
+
+    monkeypatch.setattr(train_module, "load_target", spy)
+    out = run(tiny_config(target_dir, text_file, tmp_path, "max_steps=3", "target_dtype=bfloat16", "target_device_map=auto"))
+    assert calls == [(str(target_dir), "bfloat16", "auto"), torch.bfloat16]
+    assert all(math.isfinite(loss) for loss in train_losses(out)) and len(train_losses(out)) == 3
+    assert load_file(out / "model.safetensors")["model.embed_tokens.weight"].dtype == torch.float32
