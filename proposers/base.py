@@ -13,6 +13,15 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 
+class InputError(ValueError):
+    """Bad input from a user: an argument, a config key, a file or a command-line value.
+
+    The message is one line that names the offending argument, key or file and says what
+    is allowed. The command line prints it without a traceback (exit code 2); every other
+    exception is a bug and keeps its traceback.
+    """
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How next-token distributions are processed, identically for target and draft.

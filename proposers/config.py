@@ -24,10 +24,10 @@ from typing import Any, Literal
 
 import yaml
 
-from .base import Proposer
+from .base import InputError, Proposer
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A config that cannot be used as given; the message is one line naming the key or file."""
 
 
