@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -68,20 +69,52 @@ def resolve_type(values: Mapping[str, Any], registry: Mapping[str, str | type], 
 # --- reading -----------------------------------------------------------------------
 
 
+def read_text(path: str | Path, what: str = "file", max_bytes: int | None = None) -> str:
+    """The text of a UTF-8 file; a missing, binary or non-UTF-8 file is one InputError line naming it.
+
+    Args:
+        what: what the file is, for messages ("domain file", "data file").
+        max_bytes: read at most this many bytes (a cut inside a character is dropped).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} does not exist" + (" (it is a directory)" if path.is_dir() else ""))
+    with open(path, "rb") as f:
+        data = f.read() if max_bytes is None else f.read(max_bytes)
+    if b"\x00" in data:
+        raise InputError(f"{what} {path} looks binary (it holds NUL bytes); give a UTF-8 text file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if max_bytes is not None and len(data) == max_bytes and err.start >= len(data) - 3:
+            return data[: err.start].decode("utf-8")  # the read stopped inside a character
+        raise InputError(f"{what} {path} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start})") from None
+
+
+def check_writable(directory: str | Path, what: str = "output directory") -> Path:
+    """Create ``directory`` if needed and prove a file can be written there, before any long work; else InputError."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".draftsmith-write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise InputError(f"{what} {directory} is not writable ({err.strerror or err})") from None
+    return directory
+
+
 def read_yaml(path: str | Path, what: str = "config") -> dict[str, Any]:
     """The mapping in a YAML file; a missing file, a syntax error or a non-mapping is one line naming the file."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} {path} does not exist")
+    text = read_text(path, what)
     try:
-        values = yaml.safe_load(path.read_text())
+        values = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise ConfigError(f"{what} {path} is not valid YAML{at}: {problem}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{what} {path} is not UTF-8 text") from None
     values = {} if values is None else values
     if not isinstance(values, dict):
         raise ConfigError(f"{what} {path} must hold a mapping of keys, got {type(values).__name__}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Draft, ProposeContext, TargetFeatures, TransformersPeer, VerifyResult
+from .base import Draft, InputError, ProposeContext, TargetFeatures, TransformersPeer, VerifyResult
 
 
 class NgramProposer:
@@ -28,13 +28,13 @@ class NgramProposer:
 
     def __init__(self, min_n: int = 2, max_n: int = 4, k: int = 5, branches: int = 1, max_nodes: int | None = None):
         if not 1 <= min_n <= max_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+            raise InputError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         if k < 1 or branches < 1:
-            raise ValueError(f"k and branches must be >= 1, got k={k}, branches={branches}")
+            raise InputError(f"k and branches must be >= 1, got k={k}, branches={branches}")
         self.min_n, self.max_n, self.k, self.branches = min_n, max_n, k, branches
         self.max_nodes = max_nodes if max_nodes is not None else k * branches
         if self.max_nodes < 1:
-            raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+            raise InputError(f"max_nodes must be >= 1, got {max_nodes}")
         self._index: dict[tuple[int, ...], list[int]] = {}
         self._indexed = 0
 

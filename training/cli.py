@@ -43,11 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse and run; a bad value or missing file is one line on stderr and exit code 2."""
+    """Parse and run; bad input (an ``InputError`` or a missing file) is one line on stderr and exit code 2.
+
+    Any other exception is a bug and keeps its traceback.
+    """
+    from draftsmith.proposers.base import InputError
+
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (InputError, FileNotFoundError) as err:
         print(f"draftsmith {args.command}: error: {err}", file=sys.stderr)
         return 2
 

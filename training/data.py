@@ -26,6 +26,8 @@ from datasets import Dataset, load_dataset, load_from_disk
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from draftsmith.proposers.base import InputError
+from draftsmith.proposers.config import read_text
 from draftsmith.training.common import config_hash, file_signature
 
 if TYPE_CHECKING:
@@ -62,10 +64,36 @@ class DataConfig:
 
 
 def check_files(files: list[str]) -> None:
-    """Raise FileNotFoundError naming every data file that does not exist."""
+    """Check every data file before anything slow: it exists, is UTF-8 text, holds something, and parses when JSON.
+
+    Raises FileNotFoundError naming every missing file, or InputError naming the first bad
+    file (and line, for JSON lines).
+    """
     missing = [str(f) for f in files if not Path(f).is_file()]
     if missing:
         raise FileNotFoundError(f"data file(s) {missing} do not exist")
+    for name in files:
+        path = Path(name)
+        text = read_text(path, "data file")
+        if not text.strip():
+            raise InputError(f"data file {path} is empty")
+        if path.suffix == ".jsonl":
+            for lineno, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    _check_json_row(line, f"data file {path}:{lineno}")
+        elif path.suffix == ".json":
+            _check_json_row(text, f"data file {path}", rows=True)
+
+
+def _check_json_row(text: str, where: str, rows: bool = False) -> None:
+    """``text`` is a JSON object (or, with ``rows``, an object or a list of objects); else InputError."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InputError(f"{where} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
+    if isinstance(value, dict) or (rows and isinstance(value, list) and value and all(isinstance(v, dict) for v in value)):
+        return
+    raise InputError(f"{where} must hold a JSON object per row, got {type(value).__name__}")
 
 
 def read_files(files: list[str], cache_dir: Path, max_documents: int = 0) -> Dataset:
@@ -73,7 +101,7 @@ def read_files(files: list[str], cache_dir: Path, max_documents: int = 0) -> Dat
     check_files(files)
     is_json = [Path(f).suffix in (".json", ".jsonl") for f in files]
     if any(is_json) and not all(is_json):
-        raise ValueError(f"data files {files} mix JSON and plain text; give one kind per list")
+        raise InputError(f"data files {files} mix JSON and plain text; give one kind per list")
     if all(is_json):
         rows = load_dataset("json", data_files=list(files), split="train", cache_dir=str(cache_dir))
     else:
@@ -83,7 +111,7 @@ def read_files(files: list[str], cache_dir: Path, max_documents: int = 0) -> Dat
 
 def _require_column(rows: Dataset, name: str, key: str) -> None:
     if name not in rows.column_names:
-        raise ValueError(f"data rows have no {name!r} field (columns: {rows.column_names}); set data.{key}")
+        raise InputError(f"data rows have no {name!r} field (columns: {rows.column_names}); set data.{key}")
 
 
 def tokenize_text(rows: Dataset, tokenizer, text_field: str) -> Dataset:
@@ -118,7 +146,7 @@ def render_chat(rows: Dataset, tokenizer, messages_field: str, block_size: int) 
     """Render conversations with the chat template; ``loss_mask[t]`` is set where token ``t + 1`` is an assistant token."""
     _require_column(rows, messages_field, "messages_field")
     if not has_generation_markers(tokenizer):
-        raise ValueError("the tokenizer's chat template has no {% generation %} markers, so assistant tokens cannot be told apart")
+        raise InputError("the tokenizer's chat template has no {% generation %} markers, so assistant tokens cannot be told apart")
 
     def render(row):
         out = tokenizer.apply_chat_template(row[messages_field], return_dict=True, return_assistant_tokens_mask=True)
@@ -171,7 +199,7 @@ def self_distill(cfg: TrainConfig, files: list[str], rows: Dataset, tokenizer, t
     """Rows of prompts + the target's own continuations, loss on the continuations; cached by a hash of their inputs."""
     sd = cfg.data.self_distill
     if sd.max_new_tokens >= cfg.data.block_size:
-        raise ValueError(f"self_distill.max_new_tokens={sd.max_new_tokens} leaves no room for a prompt in block_size={cfg.data.block_size}")
+        raise InputError(f"self_distill.max_new_tokens={sd.max_new_tokens} leaves no room for a prompt in block_size={cfg.data.block_size}")
     key = {
         "target": [*file_signature(cfg.target), cfg.target_dtype],
         "files": [[str(Path(f).resolve()), Path(f).stat().st_size, Path(f).stat().st_mtime_ns] for f in files],
@@ -186,7 +214,7 @@ def self_distill(cfg: TrainConfig, files: list[str], rows: Dataset, tokenizer, t
         return load_from_disk(str(out))
     prompts = distill_prompts(cfg, rows, tokenizer)
     if not prompts:
-        raise ValueError(f"no self-distillation prompts from {files}: documents shorter than prompt_tokens={sd.prompt_tokens}?")
+        raise InputError(f"no self-distillation prompts from {files}: documents shorter than prompt_tokens={sd.prompt_tokens}?")
     examples = generate_continuations(target, tokenizer, prompts, sd, cfg.seed)
     partial_dir = out.with_name(out.name + ".partial")
     shutil.rmtree(partial_dir, ignore_errors=True)
@@ -246,5 +274,5 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 def make_loader(rows: Dataset, batch_size: int, pad_id: int) -> DataLoader:
     """Shuffled full batches (the order is re-seeded per epoch by accelerate's seedable sampler)."""
     if len(rows) < batch_size:
-        raise ValueError(f"only {len(rows)} training rows, fewer than batch_size={batch_size}: add data or lower batch_size")
+        raise InputError(f"only {len(rows)} training rows, fewer than batch_size={batch_size}: add data or lower batch_size")
     return DataLoader(rows, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=partial(collate, pad_id=pad_id))

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from draftsmith.proposers.base import InputError
 from draftsmith.proposers.draft_model import check_vocabulary, warn_if_bigger
 
 from .capture import Captured
@@ -71,9 +72,9 @@ class DraftLMObjective:
         temperature: float = 1.0,
     ):
         if lora.enabled and pretrained is None:
-            raise ValueError("lora.enabled needs draft.pretrained (a trained draft to adapt); a fresh draft is trained in full")
+            raise InputError("lora.enabled needs draft.pretrained (a trained draft to adapt); a fresh draft is trained in full")
         if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+            raise InputError(f"temperature must be > 0, got {temperature}")
         self.pretrained, self.init, self.lora, self.loss_name, self.temperature = pretrained, init, lora, loss, temperature
 
     def check(self, target: nn.Module, tokenizer) -> None:
@@ -124,7 +125,7 @@ def fresh_llama(init: DraftInit, target: nn.Module, tokenizer) -> nn.Module:
     if init.copy_target_embeddings:
         source = target.get_input_embeddings().weight
         if source.shape != draft.get_input_embeddings().weight.shape:
-            raise ValueError(f"copy_target_embeddings: target embeddings {tuple(source.shape)} do not fit the draft's hidden_size")
+            raise InputError(f"copy_target_embeddings: target embeddings {tuple(source.shape)} do not fit the draft's hidden_size")
         with torch.no_grad():
             draft.get_input_embeddings().weight.copy_(source.float())
     return draft

@@ -38,7 +38,7 @@ from accelerate.utils import GradientAccumulationPlugin, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from draftsmith.proposers.config import ConfigError, build, load
+from draftsmith.proposers.config import ConfigError, build, check_writable, load
 from draftsmith.verify.target import load_target
 
 from .capture import CaptureConfig, CapturedRows, Capturer, offline_key, read_manifest
@@ -338,6 +338,8 @@ def train(cfg: TrainConfig, interrupt_after_steps: int = 0) -> Path:
     objective = make_objective(cfg)
     run_dir = run_dir_of(cfg)
     check_files(cfg.data.train_files + cfg.data.eval_files)  # before anything slow
+    check_writable(run_dir, "run_dir")
+    check_writable(Path(cfg.output_dir).resolve().parent, "the directory of output_dir")
     check_resumable(cfg, run_dir)
     accelerator = make_accelerator(cfg, run_dir)
     config_text = resolved_recipe(cfg)

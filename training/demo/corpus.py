@@ -37,6 +37,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from draftsmith.proposers.base import InputError
+
 DOMAINS = ("code", "prose")
 SPLITS = ("train", "heldout")
 HELDOUT_MOD = 20
@@ -241,7 +243,7 @@ def domain_candidates(domain: str, roots: Mapping[str, Path], include_pydoc: boo
         found += list(pydoc_candidates()) if include_pydoc else []
         searched = [roots["man"], roots["doc"], "pydoc_data.topics"]
     else:
-        raise ValueError(f"unknown domain {domain!r}; valid domains: {list(DOMAINS)}")
+        raise InputError(f"unknown domain {domain!r}; valid domains: {list(DOMAINS)}")
     if not found:
         raise FileNotFoundError(f"no {domain} files found; searched: {', '.join(map(str, searched))}")
     return found

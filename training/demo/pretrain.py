@@ -35,7 +35,8 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
-from draftsmith.proposers.config import build, load
+from draftsmith.proposers.base import InputError
+from draftsmith.proposers.config import ConfigError, build, check_writable, load
 from draftsmith.training.common import (
     config_hash,
     export_atomically,
@@ -58,6 +59,7 @@ class PretrainConfig(LoopConfig):
 
     output_dir: str = "recipes/demo_target"  # the shipped model, tokenizer, curves
     work_dir: str = ".cache/draftsmith/demo_target"  # stage caches and checkpoints
+    init_from: str | None = None  # continue from this save_pretrained model (and its tokenizer) instead of a fresh one
     # corpus (training.demo.corpus)
     code_max_mb: float = 12.0  # cap on kept code text, MB of UTF-8
     prose_max_mb: float = 12.0  # cap on kept prose text
@@ -139,7 +141,7 @@ def write_corpus(cfg: PretrainConfig, out: Path) -> None:
     corpus = collect_corpus(max_bytes=max_bytes, heldout_mod=cfg.heldout_mod)
     empty = [f"{d}.{s}" for d, splits in corpus.items() for s, docs in splits.items() if not docs]
     if empty:
-        raise ValueError(f"no documents in {empty}: raise code_max_mb / prose_max_mb or lower heldout_mod")
+        raise InputError(f"no documents in {empty}: raise code_max_mb / prose_max_mb or lower heldout_mod")
     out.mkdir(parents=True, exist_ok=True)
     manifest = {}
     for domain, splits in corpus.items():
@@ -157,7 +159,9 @@ def read_documents(corpus_dir: Path, domain: str, split: str) -> list[Document]:
 
 
 def build_tokenizer_stage(cfg: PretrainConfig, corpus_dir: Path, work: Path) -> Path:
-    """Stage 2: train the tokenizer on the train split of every domain."""
+    """Stage 2: train the tokenizer on the train split of every domain (a continued model keeps its own)."""
+    if cfg.init_from is not None:
+        return Path(cfg.init_from)
     out = work / f"tokenizer-{stage_hash(cfg, TOKENIZER_KEYS)}"
     if not out.exists():
         texts = [doc.text for domain in DOMAINS for doc in read_documents(corpus_dir, domain, "train")]
@@ -169,7 +173,7 @@ def build_tokenizer_stage(cfg: PretrainConfig, corpus_dir: Path, work: Path) -> 
 
 def build_tokens(cfg: PretrainConfig, corpus_dir: Path, tokenizer_dir: Path, work: Path) -> Path:
     """Stage 3: one uint16 stream of ``<|bos|> doc <|eos|>`` per domain and split."""
-    out = work / f"tokens-{stage_hash(cfg, TOKENIZER_KEYS)}"
+    out = work / f"tokens-{stage_hash(cfg, TOKENIZER_KEYS + (('init_from',) if cfg.init_from else ()))}"
     if (out / "meta.json").exists():
         return out
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -196,10 +200,26 @@ def load_streams(tokens_dir: Path, split: str) -> dict[str, torch.Tensor]:
 
 
 def build_model(cfg: PretrainConfig, tokenizer) -> LlamaForCausalLM:
-    """A freshly initialised Llama with tied input / output embeddings."""
-    return small_llama(
-        tokenizer, len(tokenizer), cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.block_size
-    )
+    """A freshly initialised Llama with tied input / output embeddings, or the ``init_from`` model with ``block_size`` positions."""
+    if cfg.init_from is None:
+        return small_llama(
+            tokenizer,
+            len(tokenizer),
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_layers,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.block_size,
+        )
+    model = AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
+    shape = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers}
+    shape |= {"num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "vocab_size": cfg.vocab_size}
+    differ = {k: (v, getattr(model.config, k)) for k, v in shape.items() if getattr(model.config, k) != v}
+    if differ:
+        raise ConfigError(f"init_from {cfg.init_from} has another shape than the recipe (recipe, model): {differ}")
+    model.config.max_position_embeddings = cfg.block_size  # rotary positions: nothing to resize
+    return model
 
 
 class Blocks(Dataset):
@@ -221,15 +241,27 @@ def next_token_loss(model, batch: dict) -> tuple[torch.Tensor, dict]:
     return model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss, {}
 
 
+def position_buckets(block_size: int) -> list[tuple[int, int]]:
+    """Position ranges [0, 256), [256, 512), [512, 1024), ... up to ``block_size``."""
+    edges = [0, 256]
+    while edges[-1] < block_size:
+        edges.append(edges[-1] * 2)
+    edges[-1] = min(edges[-1], block_size)
+    return [(a, b) for a, b in zip(edges, edges[1:], strict=False) if a < block_size]
+
+
 @torch.inference_mode()
 def heldout_loss(model, streams: dict[str, torch.Tensor], block_size: int, max_tokens: int = 0) -> dict:
-    """Mean next-token loss in nats per domain over consecutive windows of each stream.
+    """Mean next-token loss in nats per domain over consecutive windows of each stream, overall and by position.
 
     Args:
         model: a causal LM.
         streams: ``{domain: LongTensor [num_tokens]}``.
         block_size: window length; the first token of a window is context only.
         max_tokens: use the first ``max_tokens`` tokens of each stream (0 = all).
+    Returns:
+        ``{domain: {"nats_per_token", "tokens", "by_position": {"0-256": nats, ...}}}``; the
+        loss at position p is that of predicting the window's token p + 1.
     """
     was_training, device = model.training, next(model.parameters()).device
     model.eval()
@@ -237,13 +269,20 @@ def heldout_loss(model, streams: dict[str, torch.Tensor], block_size: int, max_t
     for domain, stream in streams.items():
         stream = stream[:max_tokens] if max_tokens else stream
         windows = stream[: len(stream) // block_size * block_size].view(-1, block_size)
-        total, count = 0.0, 0
+        per_position = torch.zeros(block_size - 1, dtype=torch.float64)
         for batch in windows.split(16):
             logits = model(input_ids=batch.to(device)).logits[:, :-1].float()
             targets = batch[:, 1:].to(device)
-            total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
-            count += targets.numel()
-        losses[domain] = {"nats_per_token": total / max(count, 1), "tokens": count}
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # [batch, block - 1]
+            per_position += nll.sum(0).double().cpu()
+        count = max(len(windows), 1)
+        ranges = [(a, min(b, block_size - 1)) for a, b in position_buckets(block_size)]
+        buckets = {f"{a}-{b}": float(per_position[a:b].sum()) / ((b - a) * count) for a, b in ranges if b > a}
+        losses[domain] = {
+            "nats_per_token": float(per_position.sum()) / (count * (block_size - 1)),
+            "tokens": len(windows) * (block_size - 1),
+            "by_position": buckets,
+        }
     model.train(was_training)
     return losses
 
@@ -276,6 +315,7 @@ def export(cfg: PretrainConfig, model, tokenizer, curve: list[dict], tokens_dir:
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
         )
         model.to(getattr(torch, cfg.save_dtype)).save_pretrained(out)
+        tokenizer.model_max_length = cfg.block_size
         tokenizer.save_pretrained(out)
         (out / CONFIG_FILE).write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
         (out / "loss_curve.json").write_text(json.dumps(curve))
@@ -309,6 +349,8 @@ def run(cfg: PretrainConfig, interrupt_after_steps: int = 0) -> Path:
     if is_exported(cfg):
         print(f"{cfg.output_dir} already holds this config's model; nothing to do")
         return Path(cfg.output_dir)
+    check_writable(cfg.work_dir, "work_dir")
+    check_writable(Path(cfg.output_dir).resolve().parent, "the directory of output_dir")
     with torch_threads(cfg.threads):
         work = Path(cfg.work_dir)
         processes = PartialState(cpu=multi_process_cpu())

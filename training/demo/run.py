@@ -22,11 +22,14 @@ from pathlib import Path
 
 import yaml
 
+from draftsmith.proposers.base import InputError
+from draftsmith.proposers.config import check_writable
 from draftsmith.training.demo import pretrain
 from draftsmith.training.demo.corpus import Document
 
 RECIPES = Path("recipes")
 DEMO_TARGET = RECIPES / "demo_target"
+MIN_PROMPT_TOKENS = 16
 DEMO_PROPOSERS = {
     "ngram": {"type": "ngram"},
     "ngram_tree": {"type": "ngram", "min_n": 1, "branches": 4, "max_nodes": 16},
@@ -76,7 +79,7 @@ def build_domains(docs: dict[str, list[Document]], out_dir: Path, num_prompts: i
     paths = {}
     for domain, items in rows.items():
         if not items:
-            raise ValueError(f"no held-out documents for domain {domain!r}: the target's corpus split is empty")
+            raise InputError(f"no held-out documents for domain {domain!r}: the target's corpus split is empty")
         path = out_dir / f"{domain}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in items))
         paths[domain] = str(path)
@@ -102,9 +105,18 @@ def run_demo(quick: bool = False, output_dir: str = "outputs/demo", num_prompts:
     from draftsmith.proposers import REGISTRY
     from draftsmith.verify.evaluation.evaluate import EvalConfig, evaluate
 
+    for name, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name} must be an integer >= 1, got {value!r}")
+    check_writable(output_dir, "output_dir")
     target_dir = ensure_target(quick)
     block = json.loads((target_dir / "config.json").read_text()).get("max_position_embeddings", 256)
     prompt_tokens = min(128, block - max_new_tokens - 8)
+    if prompt_tokens < MIN_PROMPT_TOKENS:
+        most = block - 8 - MIN_PROMPT_TOKENS
+        raise InputError(
+            f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the demo target's {block} positions (at most {most})"
+        )
     domains = build_domains(heldout_documents(target_dir), Path(output_dir) / "domains", num_prompts, prompt_chars=4 * prompt_tokens)
     proposers = dict(DEMO_PROPOSERS)
     if "draft_model" in REGISTRY:

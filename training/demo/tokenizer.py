@@ -16,6 +16,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from draftsmith.proposers.base import InputError
+
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 ROLES = ("system", "user", "assistant")
 END_OF_TURN = "<|end|>"
@@ -49,7 +51,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> 
         min_frequency: a pair must occur this often to be merged.
     """
     if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size={vocab_size} is below 256 bytes + {len(SPECIAL_TOKENS)} special tokens")
+        raise InputError(f"vocab_size={vocab_size} is below 256 bytes + {len(SPECIAL_TOKENS)} special tokens")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

@@ -9,10 +9,14 @@ texts become prompts. Prompts are cut to a fixed number of tokens.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from draftsmith.proposers.base import InputError
+from draftsmith.proposers.config import read_text
 
 
 @dataclass(frozen=True)
@@ -30,63 +34,93 @@ class Prompt:
     source: str
 
 
+MAX_CHARS_PER_TOKEN = 64  # text kept per prompt token before tokenizing: bounds what one huge row may cost
+
+
 def load_domain(
     name: str, path: str | Path, tokenizer, num_prompts: int, prompt_tokens: int, max_positions: int | None = None
 ) -> list[Prompt]:
-    """Read up to ``num_prompts`` prompts of domain ``name`` from ``path``, each cut to ``prompt_tokens`` tokens."""
+    """Read up to ``num_prompts`` prompts of domain ``name`` from ``path``, each cut to ``prompt_tokens`` tokens.
+
+    Only the first (for a chat, the last) ``prompt_tokens * MAX_CHARS_PER_TOKEN`` characters of a
+    text are tokenized, so a single huge row costs no more than a normal one.
+    """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"domain {name!r}: file {path} does not exist")
     if max_positions is not None and prompt_tokens >= max_positions:
-        raise ValueError(
+        raise InputError(
             f"domain {name!r}: prompt_tokens={prompt_tokens} leaves no room in the model's context of {max_positions} positions"
         )
-    texts = _read_jsonl(name, path, tokenizer) if path.suffix == ".jsonl" else _read_text(name, path)
+    budget = prompt_tokens * MAX_CHARS_PER_TOKEN
+    texts = _read_jsonl(name, path, tokenizer) if path.suffix == ".jsonl" else _read_text(name, path, budget)
     prompts = []
     for source, text, keep_end in texts:
+        # a rendered chat keeps its end, where the assistant turn opens
+        text = text[-budget:] if keep_end else text[:budget]
         ids = tokenizer(text, add_special_tokens=False).input_ids
         if tokenizer.bos_token_id is not None:
             ids = [tokenizer.bos_token_id] + ids
         if len(ids) < 2:
             continue
-        # a rendered chat keeps its end, where the assistant turn opens
         ids = ids[-prompt_tokens:] if keep_end else ids[:prompt_tokens]
         prompts.append(Prompt(name, torch.tensor([ids]), source))
         if len(prompts) == num_prompts:
             break
     if not prompts:
-        raise ValueError(f"domain {name!r}: {path} holds no usable prompt (empty file, or every text under 2 tokens)")
+        raise InputError(f"domain {name!r}: {path} holds no usable prompt (empty file, or every text under 2 tokens)")
     return prompts
 
 
-def _read_jsonl(name: str, path: Path, tokenizer) -> list[tuple[str, str, bool]]:
-    texts = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"domain {name!r}: {path}:{lineno} is not valid JSON ({err.msg})") from None
-        if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
-            raise ValueError(f"domain {name!r}: {path}:{lineno} must be an object with exactly one of 'prompt' or 'messages'")
-        if row.get("domain", name) != name:
-            continue  # a shared file may hold several domains
-        if "prompt" in row:
-            if not isinstance(row["prompt"], str):
-                raise ValueError(f"domain {name!r}: {path}:{lineno} 'prompt' must be a string")
-            texts.append((f"{path.name}:{lineno}", row["prompt"], False))
-        else:
-            if getattr(tokenizer, "chat_template", None) is None:
-                raise ValueError(f"domain {name!r}: {path}:{lineno} has 'messages' but the tokenizer has no chat template")
-            text = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
-            texts.append((f"{path.name}:{lineno}", text, True))
-    return texts
+def _read_jsonl(name: str, path: Path, tokenizer) -> Iterator[tuple[str, str, bool]]:
+    """(source, text, keep_end) of each row, read lazily line by line."""
+    where = f"domain {name!r}: {path}"
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if b"\x00" in raw:
+                raise InputError(f"{where}:{lineno} holds NUL bytes: the file looks binary; give UTF-8 JSON lines")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise InputError(f"{where}:{lineno} is not UTF-8 text (byte 0x{raw[err.start]:02x})") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise InputError(f"{where}:{lineno} is not valid JSON ({err.msg})") from None
+            if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
+                raise InputError(f"{where}:{lineno} must be an object with exactly one of 'prompt' or 'messages'")
+            if row.get("domain", name) != name:
+                continue  # a shared file may hold several domains
+            if "prompt" in row:
+                if not isinstance(row["prompt"], str):
+                    raise InputError(f"{where}:{lineno} 'prompt' must be a string")
+                yield f"{path.name}:{lineno}", row["prompt"], False
+            else:
+                yield f"{path.name}:{lineno}", _render_chat(row["messages"], tokenizer, f"{where}:{lineno}"), True
 
 
-def _read_text(name: str, path: Path) -> list[tuple[str, str, bool]]:
+def _render_chat(messages, tokenizer, where: str) -> str:
+    """A conversation rendered with the tokenizer's chat template, opening the assistant's turn."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InputError(f"{where} has 'messages' but the tokenizer has no chat template")
+    valid = isinstance(messages, list) and messages
+    valid = valid and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
+    if not valid:
+        raise InputError(f"{where} 'messages' must be a non-empty list of {{'role': str, 'content': str}} objects")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # the template's own checks (an unknown role, ...) raise from inside jinja
+        raise InputError(f"{where}: the chat template refused the messages ({str(err).splitlines()[0]})") from None
+
+
+def _read_text(name: str, path: Path, budget: int) -> Iterator[tuple[str, str, bool]]:
+    """(file name, text, False) of a text file or of each ``.txt`` file in a directory; at most ``budget`` characters each."""
     files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
     if not files:
-        raise ValueError(f"domain {name!r}: directory {path} has no .txt files")
-    texts = [(f.name, f.read_text(errors="replace"), False) for f in files]
-    return [t for t in texts if t[1].strip()]
+        raise InputError(f"domain {name!r}: directory {path} has no .txt files")
+    for file in files:
+        text = read_text(file, f"domain {name!r}: file", max_bytes=4 * budget)
+        if text.strip():
+            yield file.name, text, False

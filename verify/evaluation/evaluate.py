@@ -21,8 +21,8 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.base import TransformersPeer
-from draftsmith.proposers.config import build, load
+from draftsmith.proposers.base import InputError, TransformersPeer
+from draftsmith.proposers.config import build, check_writable, load
 
 from ..decoder import SpeculativeDecoder
 from ..stats import DecodeStats
@@ -66,14 +66,14 @@ class EvalConfig:
 
     def __post_init__(self):
         if not self.domains:
-            raise ValueError("'domains' is empty; give at least one name: file")
+            raise InputError("'domains' is empty; give at least one name: file")
         if PLAIN in self.proposers:
-            raise ValueError(f"the row name {PLAIN!r} is reserved for plain decoding")
+            raise InputError(f"the row name {PLAIN!r} is reserved for plain decoding")
         for name in ("num_prompts", "prompt_tokens", "max_new_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1 or null, got {self.threads}")
+            raise InputError(f"threads must be >= 1 or null, got {self.threads}")
 
     @staticmethod
     def from_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> EvalConfig:
@@ -115,12 +115,13 @@ class Record:
 
 def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
     """Run the evaluation and write its files; return the summary."""
+    check_writable(config.output_dir, "output_dir")  # before anything is decoded
     if config.threads:
         torch.set_num_threads(config.threads)
     model, tokenizer = load_target(config.target)
     max_positions = getattr(model.config, "max_position_embeddings", None)
     if max_positions is not None and config.prompt_tokens + config.max_new_tokens > max_positions:
-        raise ValueError(
+        raise InputError(
             f"prompt_tokens={config.prompt_tokens} + max_new_tokens={config.max_new_tokens} exceeds the target's context "
             f"of {max_positions} positions (max_position_embeddings); lower one of them"
         )
