@@ -141,7 +141,10 @@ def apply_overrides(values: Mapping[str, Any], overrides: list[str] | tuple[str,
             value = yaml.safe_load(text)
         except yaml.YAMLError:
             raise ConfigError(f"override {item!r}: the value is not valid YAML") from None
-        *sections, last = key.strip().split(".")
+        parts = key.strip().split(".")
+        if not all(part.strip() for part in parts):
+            raise ConfigError(f"override {item!r}: {key.strip()!r} is not a key (key=value, or section.key=value)")
+        *sections, last = (part.strip() for part in parts)
         node = values
         for section in sections:
             child = node.get(section)
@@ -188,7 +191,7 @@ def build(schema, values: Mapping[str, Any], where: str = "config", inject: Mapp
         return schema(**checked, **injected)
     except ConfigError:
         raise
-    except (TypeError, ValueError) as err:  # a constructor's own range checks name the argument
+    except ValueError as err:  # a constructor's own range checks name the argument (a TypeError there is a bug)
         raise ConfigError(f"{where}: {err}") from None
 
 

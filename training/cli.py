@@ -11,8 +11,15 @@ import json
 import sys
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a bad command line reported in one line (exit code 2) like every other bad input."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the arguments)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="draftsmith", description="Speculative decoding for Hugging Face causal LMs.")
+    parser = Parser(prog="draftsmith", description="Speculative decoding for Hugging Face causal LMs.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text with a proposer and print it with decoding stats")
