@@ -6,6 +6,8 @@ Everything here is a frozen dataclass or a Protocol; proposers import only this 
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Protocol, runtime_checkable
@@ -27,9 +29,12 @@ class SamplingParams:
     """How next-token distributions are processed, identically for target and draft.
 
     Args:
-        temperature: 0 selects greedy decoding (its own branch); > 0 divides the logits.
+        temperature: 0 selects greedy decoding (its own branch); a finite value > 0 divides the logits.
         top_k: keep the k most likely tokens; 0 keeps all.
         top_p: keep the smallest set of tokens whose mass reaches top_p; 1.0 keeps all.
+
+    Numpy scalars are accepted and stored as Python numbers; anything else that is not a
+    real number (an integer for ``top_k``) is an ``InputError``.
     """
 
     temperature: float = 0.0
@@ -37,16 +42,40 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = no top-k), got {self.top_k}")
+        temperature = check_real("temperature", self.temperature)
+        top_p = check_real("top_p", self.top_p)
+        top_k = check_integer("top_k", self.top_k)
+        # ``not x >= 0`` also refuses NaN; inf would sample uniformly, ignoring top-k / top-p.
+        if not 0.0 <= temperature < math.inf:
+            raise InputError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not 0.0 < top_p <= 1.0:
+            raise InputError(f"top_p must be in (0, 1] (1 = no top-p), got {self.top_p!r}")
+        if top_k < 0:
+            raise InputError(f"top_k must be >= 0 (0 = no top-k), got {self.top_k!r}")
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", top_p)
+        object.__setattr__(self, "top_k", top_k)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def check_real(name: str, value: Any) -> float:
+    """``value`` as a float when it is a real number (int, float, numpy scalar; not bool); else an InputError naming ``name``."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond float range: let the range checks refuse it
+            return math.inf if value > 0 else -math.inf
+    raise InputError(f"{name} must be a real number (int or float), got {value!r} ({type(value).__name__})")
+
+
+def check_integer(name: str, value: Any) -> int:
+    """``value`` as an int when it is an integer (int, numpy integer; not bool, not float); else an InputError naming ``name``."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    raise InputError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
 
 
 def logits_to_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:

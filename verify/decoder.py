@@ -6,13 +6,24 @@ one harness.
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.proposers.base import Draft, ProposeContext, Proposer, SamplingParams, TargetFeatures, VerifyResult, output_vocab_size
+from draftsmith.proposers.base import (
+    Draft,
+    InputError,
+    ProposeContext,
+    Proposer,
+    SamplingParams,
+    TargetFeatures,
+    VerifyResult,
+    check_integer,
+    output_vocab_size,
+)
 from draftsmith.proposers.tree import node_depths, prune_depth, validate_draft
 
 from .rejection import rejection_sample
@@ -33,6 +44,27 @@ class DecodeResult:
     stats: DecodeStats
 
 
+@dataclass(frozen=True)
+class Request:
+    """One generate call's arguments, checked and normalised (``SpeculativeDecoder.check_request``).
+
+    Args:
+        input_ids: ``[1, T]`` long, on the model's device.
+        prompt: the same ids as a list.
+        max_new_tokens: at least 1.
+        sampling: temperature, top-k, top-p.
+        seed: the generator's seed, or None for an unseeded generator.
+        eos: the ids that end generation (empty: none).
+    """
+
+    input_ids: torch.Tensor
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    seed: int | None
+    eos: frozenset[int]
+
+
 class SpeculativeDecoder:
     """Generate with a target model, drafting with ``proposer`` (None = plain decoding).
 
@@ -47,7 +79,7 @@ class SpeculativeDecoder:
         self.vocab_size = output_vocab_size(model)
         proposer_vocab = getattr(proposer, "vocab_size", None)
         if proposer_vocab is not None and proposer_vocab != self.vocab_size:
-            raise ValueError(f"proposer vocabulary size {proposer_vocab} differs from the target's {self.vocab_size}")
+            raise InputError(f"proposer vocabulary size {proposer_vocab} differs from the target's {self.vocab_size}")
 
     @torch.inference_mode()
     def generate(
@@ -58,17 +90,27 @@ class SpeculativeDecoder:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
-        eos_token_id: int | list[int] | None = None,
+        eos_token_id: int | list[int] | torch.Tensor | None = None,
     ) -> DecodeResult:
         """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (``[1, T]`` long).
 
         At temperature 0 the output is token-identical to plain greedy decoding; at
-        temperature > 0 it follows the target's processed distribution exactly.
+        temperature > 0 it follows the target's processed distribution exactly. Every
+        argument is checked once, up front (``check_request``); a bad one is an ``InputError``.
+
+        Args:
+            input_ids: ``[1, T]`` integer tensor of ids in the target's vocabulary.
+            max_new_tokens: an integer >= 1.
+            temperature: a finite real >= 0 (0 = greedy).
+            top_k: an integer >= 0 (0 = no top-k).
+            top_p: a real in (0, 1] (1 = no top-p).
+            seed: an integer, or None for an unseeded generator.
+            eos_token_id: None, an id, or several (a list / tuple, or a 0-d / 1-D integer tensor).
         """
-        prompt = self._check_prompt(input_ids, max_new_tokens)
-        sampling = SamplingParams(temperature, top_k, top_p)
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        eos = _eos_set(eos_token_id)
+        request = self.check_request(input_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id)
+        input_ids, prompt, max_new_tokens = request.input_ids, request.prompt, request.max_new_tokens
+        sampling, eos = request.sampling, request.eos
+        generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
         proposer = self.proposer
         target = Target(self.model, proposer.hidden_layers if proposer is not None else ())
         stats = DecodeStats()
@@ -121,27 +163,65 @@ class SpeculativeDecoder:
         validate_draft(draft, self.vocab_size)
         return prune_depth(draft, max_depth)
 
-    def _check_prompt(self, input_ids: torch.Tensor, max_new_tokens: int) -> list[int]:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-            raise ValueError(f"input_ids must be a LongTensor of shape [1, T] (batch of one request), got {shape}")
-        if input_ids.shape[1] == 0:
-            raise ValueError("input_ids is empty: the prompt needs at least one token")
+    def check_request(self, input_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id) -> Request:
+        """Check every argument of ``generate`` against this target; raise ``InputError`` naming the first bad one."""
+        sampling = SamplingParams(temperature, top_k, top_p)
+        max_new_tokens = check_integer("max_new_tokens", max_new_tokens)
         if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+            raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if seed is not None:
+            seed = check_integer("seed", seed)
+            if not -(2**63) <= seed < 2**64:
+                raise InputError(f"seed must be an integer in [-2**63, 2**64) or None, got {seed}")
+        input_ids, prompt = self._check_prompt(input_ids)
         max_positions = getattr(self.model.config, "max_position_embeddings", None)
-        if max_positions is not None and input_ids.shape[1] > max_positions:
-            raise ValueError(f"prompt of {input_ids.shape[1]} tokens is longer than the model's max_position_embeddings={max_positions}")
+        if max_positions is not None and len(prompt) > max_positions:
+            raise InputError(f"prompt of {len(prompt)} tokens is longer than the model's max_position_embeddings={max_positions}")
+        return Request(input_ids, prompt, max_new_tokens, sampling, seed, _eos_set(eos_token_id, self.vocab_size))
+
+    def _check_prompt(self, input_ids) -> tuple[torch.Tensor, list[int]]:
+        """``input_ids`` as a ``[1, T]`` long tensor on the model's device, and as a list."""
+        if not isinstance(input_ids, torch.Tensor):
+            raise InputError(f"input_ids must be an integer tensor of shape [1, T] (batch of one request), got {type(input_ids).__name__}")
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise InputError(f"input_ids must be a LongTensor of shape [1, T] (batch of one request), got {tuple(input_ids.shape)}")
+        if not _is_integer(input_ids.dtype):
+            raise InputError(f"input_ids must hold integer token ids (a LongTensor), got dtype {input_ids.dtype}")
+        if input_ids.shape[1] == 0:
+            raise InputError("input_ids is empty: the prompt needs at least one token")
         prompt = input_ids[0].tolist()
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise ValueError(f"input_ids hold token ids outside the vocabulary [0, {self.vocab_size})")
-        return prompt
+        outside = next((i for i, token in enumerate(prompt) if not 0 <= token < self.vocab_size), None)
+        if outside is not None:
+            raise InputError(
+                f"input_ids hold token id {prompt[outside]} at position {outside}, outside the vocabulary [0, {self.vocab_size})"
+            )
+        return input_ids.to(device=self.model.device, dtype=torch.long), prompt
 
 
-def _eos_set(eos_token_id: int | list[int] | None) -> frozenset[int]:
+def _is_integer(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _eos_set(eos_token_id, vocab_size: int) -> frozenset[int]:
+    """The EOS ids from any form transformers' ``generate`` accepts: None, an int, a list / tuple, a 0-d / 1-D integer tensor."""
     if eos_token_id is None:
         return frozenset()
-    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+    allowed = "None, an int, a list / tuple of ints or a 0-d / 1-D integer tensor"
+    if isinstance(eos_token_id, torch.Tensor):
+        if eos_token_id.dim() > 1 or not _is_integer(eos_token_id.dtype):
+            raise InputError(
+                f"eos_token_id must be {allowed}, got a tensor of shape {tuple(eos_token_id.shape)} and dtype {eos_token_id.dtype}"
+            )
+        ids = eos_token_id.reshape(-1).tolist()
+    else:
+        ids = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+        if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
+            raise InputError(f"eos_token_id must be {allowed}, got {eos_token_id!r}")
+        ids = [int(i) for i in ids]
+    outside = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if outside is not None:
+        raise InputError(f"eos_token_id {outside} is outside the vocabulary [0, {vocab_size})")
+    return frozenset(ids)
 
 
 def _depth(draft: Draft) -> int:

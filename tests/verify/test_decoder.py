@@ -7,7 +7,7 @@ import torch
 
 import draftsmith.verify.decoder as decoder_module
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.base import Draft, ProposeContext
+from draftsmith.proposers.base import Draft, InputError, ProposeContext
 from draftsmith.verify import SpeculativeDecoder
 from draftsmith.verify.target import Target
 
@@ -233,23 +233,23 @@ def test_invalid_drafts_are_rejected(kind, message, model, prompt):
     ],
 )
 def test_bad_generation_arguments(kwargs, message, model, prompt):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InputError, match=message):
         SpeculativeDecoder(model).generate(prompt, **kwargs)
 
 
 def test_bad_prompts(model, make_llama):
     decoder = SpeculativeDecoder(model)
-    with pytest.raises(ValueError, match=r"\[1, T\]"):
+    with pytest.raises(InputError, match=r"\[1, T\]"):
         decoder.generate(torch.tensor([1, 2, 3]))
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(InputError, match="outside the vocabulary"):
         decoder.generate(torch.tensor([[1, 999]]))
     short = make_llama(max_positions=8)
-    with pytest.raises(ValueError, match="max_position_embeddings"):
+    with pytest.raises(InputError, match="max_position_embeddings"):
         SpeculativeDecoder(short).generate(torch.ones(1, 9, dtype=torch.long))
 
 
 def test_proposer_with_another_vocabulary_is_refused(model):
     proposer = ScriptedProposer(random_chain(0))
     proposer.vocab_size = 64
-    with pytest.raises(ValueError, match="vocabulary size 64 differs from the target's 128"):
+    with pytest.raises(InputError, match="vocabulary size 64 differs from the target's 128"):
         SpeculativeDecoder(model, proposer)
