@@ -12,20 +12,23 @@ dynamic draft depth.
 from __future__ import annotations
 
 import itertools
+import sys
 import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-from .base import Draft, ProposeContext, TargetFeatures, TransformersPeer, VerifyResult, output_vocab_size
+from .base import Draft, InputError, ProposeContext, TargetFeatures, TransformersPeer, VerifyResult, output_vocab_size
 from .lean_forward import LeanForward
 from .tree import DraftTree, compact_cache, crop_cache, grow_dynamic_tree, incremental_tree_mask
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 SAMPLED_TOKEN_IDS = 4096  # token strings compared between draft and target tokenizers
 LEAN_MAX_ROWS = 16  # longer inputs (prompts) take the model's own forward and its causal kernel
+POSITION_KEYS = ("max_position_embeddings", "n_positions")  # where configs state their positions (GPT-2: n_positions)
 
 
 class DraftModelProposer:
@@ -52,6 +55,16 @@ class DraftModelProposer:
 
     The cache keeps the KV of the accepted draft tokens that were fed to draft (``observe``
     drops the rest), so the next step feeds only the target's recovered or bonus token.
+
+    Context limit: the draft drafts only while the committed tokens plus the draft fit its
+    own positions (``max_position_embeddings``, or ``n_positions``; ``context_limit``):
+    the depth shrinks to the room left, and once no room is left ``propose`` returns an
+    empty draft and decoding continues plain, one target token per step, with the same
+    output. A draft with fewer positions than the target is never run past them (RoPE
+    models would run on silently, learned-position models would crash).
+
+    Sliding-window drafts are refused (``check_full_attention``): their cache evicts
+    the oldest entries to make room for guesses, so rejected guesses cannot be dropped.
     """
 
     hidden_layers: tuple[int, ...] = ()
@@ -72,8 +85,10 @@ class DraftModelProposer:
         _check_settings(k, tree_width, max_nodes, dynamic, k_min, k_max, confidence_threshold)
         if isinstance(model, (str, Path)):
             model = load_draft_model(model, device=target.device if target is not None else None)
+        check_full_attention(model, "draft")
         self.model = model.eval()
         self.vocab_size = output_vocab_size(model)
+        self.max_positions = context_limit(model)  # None: no limit stated
         if target is not None:
             check_vocabulary(model, target)
             warn_if_bigger(model, target)
@@ -106,7 +121,7 @@ class DraftModelProposer:
         self.cache = DynamicCache(config=self.model.config)
         self.cached_tokens = []
         self.depth, self._last_depth, self._pending = self.k, 0, None
-        if prompt:
+        if prompt and self._room(len(prompt) + 1) >= 1:  # else no draft fits after the prompt: never feed it
             self._forward(list(prompt), last=1)
 
     @torch.inference_mode()
@@ -117,7 +132,7 @@ class DraftModelProposer:
         (a chain's already sit at their final positions; a tree's are compacted).
         """
         assert context.tokens, "propose() needs at least one committed token"
-        depth = min(self.depth, context.max_depth)
+        depth = min(self.depth, context.max_depth, self._room(len(context.tokens)))
         if depth < 1:
             return Draft.empty()
         committed = len(context.tokens)
@@ -161,6 +176,10 @@ class DraftModelProposer:
             self.depth = max(self.k_min, self.depth - 1)
         elif drafted == self.depth and result.num_accepted == drafted:
             self.depth = min(self.k_max, self.depth + 1)
+
+    def _room(self, committed: int) -> int:
+        """How many draft tokens fit the draft's positions after ``committed`` tokens."""
+        return self.max_positions - committed if self.max_positions is not None else sys.maxsize
 
     # -- the draft cache -------------------------------------------------------------
 
@@ -246,6 +265,35 @@ def load_draft_model(path: str | Path, device: torch.device | None = None) -> nn
         raise FileNotFoundError(f"draft model directory {path} does not exist (no hub downloads: give a local checkpoint)")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model.to(device) if device is not None else model
+
+
+def context_limit(model: nn.Module) -> int | None:
+    """The positions a causal LM's config allows (``max_position_embeddings``, or GPT-2's ``n_positions``); None when it states none."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for key in POSITION_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def check_full_attention(model: nn.Module, role: str) -> None:
+    """Raise InputError unless every layer of ``model``'s ``DynamicCache`` is a full-attention ``DynamicLayer``.
+
+    Dropping rejected tokens slices each layer's keys and values (``crop_cache``,
+    ``compact_cache``). A sliding-window layer has already evicted its oldest entries to
+    make room for the guesses, so no slice brings them back, and its cumulative length
+    would go stale; other layer types (linear attention, static) keep state a slice misses.
+    """
+    kinds = sorted({type(layer).__name__ for layer in DynamicCache(config=model.config).layers if type(layer) is not DynamicLayer})
+    if kinds:
+        name = type(model).__name__ + (f" ({model.name_or_path})" if getattr(model, "name_or_path", "") else "")
+        window = getattr(model.config, "sliding_window", None)
+        raise InputError(
+            f"{role} model {name} has {', '.join(kinds)} cache layers"
+            + (f" (sliding_window={window})" if window is not None else "")
+            + ": only full-attention models are supported (rejected draft tokens cannot be cut out of such a cache)"
+        )
 
 
 def check_vocabulary(draft: nn.Module, target: nn.Module) -> None:

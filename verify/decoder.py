@@ -24,6 +24,7 @@ from draftsmith.proposers.base import (
     check_integer,
     output_vocab_size,
 )
+from draftsmith.proposers.draft_model import check_full_attention, context_limit
 from draftsmith.proposers.tree import node_depths, prune_depth, validate_draft
 
 from .rejection import rejection_sample
@@ -51,7 +52,7 @@ class Request:
     Args:
         input_ids: ``[1, T]`` long, on the model's device.
         prompt: the same ids as a list.
-        max_new_tokens: at least 1.
+        max_new_tokens: at least 1; the prompt plus this fits the target's positions.
         sampling: temperature, top-k, top-p.
         seed: the generator's seed, or None for an unseeded generator.
         eos: the ids that end generation (empty: none).
@@ -69,14 +70,17 @@ class SpeculativeDecoder:
     """Generate with a target model, drafting with ``proposer`` (None = plain decoding).
 
     Args:
-        model: a Hugging Face causal LM; it is put in eval mode and never modified.
+        model: a Hugging Face causal LM with full-attention layers (sliding-window models
+            are refused); it is put in eval mode and never modified.
         proposer: any ``Proposer``; None decodes one token per target forward.
     """
 
     def __init__(self, model: PreTrainedModel, proposer: Proposer | None = None):
+        check_full_attention(model, "target")
         self.model = model.eval()
         self.proposer = proposer
         self.vocab_size = output_vocab_size(model)
+        self.max_positions = context_limit(model)
         proposer_vocab = getattr(proposer, "vocab_size", None)
         if proposer_vocab is not None and proposer_vocab != self.vocab_size:
             raise InputError(f"proposer vocabulary size {proposer_vocab} differs from the target's {self.vocab_size}")
@@ -100,7 +104,7 @@ class SpeculativeDecoder:
 
         Args:
             input_ids: ``[1, T]`` integer tensor of ids in the target's vocabulary.
-            max_new_tokens: an integer >= 1.
+            max_new_tokens: an integer >= 1; the prompt plus this must fit the target's positions.
             temperature: a finite real >= 0 (0 = greedy).
             top_k: an integer >= 0 (0 = no top-k).
             top_p: a real in (0, 1] (1 = no top-p).
@@ -174,9 +178,11 @@ class SpeculativeDecoder:
             if not -(2**63) <= seed < 2**64:
                 raise InputError(f"seed must be an integer in [-2**63, 2**64) or None, got {seed}")
         input_ids, prompt = self._check_prompt(input_ids)
-        max_positions = getattr(self.model.config, "max_position_embeddings", None)
-        if max_positions is not None and len(prompt) > max_positions:
-            raise InputError(f"prompt of {len(prompt)} tokens is longer than the model's max_position_embeddings={max_positions}")
+        if self.max_positions is not None and len(prompt) + max_new_tokens > self.max_positions:
+            raise InputError(
+                f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} needs {len(prompt) + max_new_tokens} positions, "
+                f"more than the target's {self.max_positions} (max_position_embeddings): shorten the prompt or lower max_new_tokens"
+            )
         return Request(input_ids, prompt, max_new_tokens, sampling, seed, _eos_set(eos_token_id, self.vocab_size))
 
     def _check_prompt(self, input_ids) -> tuple[torch.Tensor, list[int]]:

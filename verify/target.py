@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
 
 from draftsmith.proposers.base import Draft, TargetFeatures, output_vocab_size
+from draftsmith.proposers.draft_model import check_full_attention, context_limit
 from draftsmith.proposers.tree import compact_cache, crop_cache, tree_attention_mask, tree_position_ids
 
 TARGET_DTYPES = ("float32", "bfloat16", "float16")
@@ -38,16 +38,19 @@ class Target:
     """One request's view of the target model and its KV cache.
 
     Args:
-        model: a causal LM in eval mode.
+        model: a causal LM in eval mode with full-attention layers only (``check_full_attention``:
+            committing a tree slices each layer's keys and values, which a sliding-window
+            layer cannot undo).
         hidden_layers: indices into the model's ``output_hidden_states`` tuple to return
             (0 = embeddings, i = output of layer i, -1 = the final normed state).
     """
 
     def __init__(self, model: PreTrainedModel, hidden_layers: tuple[int, ...] = ()):
+        check_full_attention(model, "target")
         self.model = model
         self.hidden_layers = tuple(hidden_layers)
         self.vocab_size = output_vocab_size(model)
-        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.max_positions = context_limit(model)  # None: no limit stated
         self.cache: DynamicCache | None = None
         self._scored_past = 0  # cache length before the last score()
         self._scored_chain = True
@@ -59,13 +62,7 @@ class Target:
     def prefill(self, input_ids: torch.Tensor) -> TargetOutput:
         """Run the prompt ``[1, T]``; return the last position's logits ``[1, vocab]``."""
         self.cache = DynamicCache(config=self.model.config)
-        out = self._forward(input_ids, logits_to_keep=1)
-        # Committing a tree slices each layer's keys/values; sliding-window or static layers
-        # keep other bookkeeping that slicing would corrupt.
-        unsupported = sorted({type(layer).__name__ for layer in self.cache.layers if type(layer) is not DynamicLayer})
-        if unsupported:
-            raise ValueError(f"the target's cache has {unsupported} layers; only full-attention DynamicLayer caches are supported")
-        return out
+        return self._forward(input_ids, logits_to_keep=1)
 
     def score(self, root_token: int, draft: Draft) -> TargetOutput:
         """Score root + draft in one forward; return logits ``[n + 1, vocab]``.
