@@ -12,13 +12,16 @@ dynamic draft depth.
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 import warnings
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from tokenizers import Tokenizer
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .base import Draft, InputError, ProposeContext, TargetFeatures, TransformersPeer, VerifyResult, output_vocab_size
@@ -29,6 +32,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 SAMPLED_TOKEN_IDS = 4096  # token strings compared between draft and target tokenizers
 LEAN_MAX_ROWS = 16  # longer inputs (prompts) take the model's own forward and its causal kernel
 POSITION_KEYS = ("max_position_embeddings", "n_positions")  # where configs state their positions (GPT-2: n_positions)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+#: What transformers, safetensors and json raise for a directory whose files cannot be read.
+LOAD_ERRORS = (OSError, ValueError, KeyError, SafetensorError)
 
 
 class DraftModelProposer:
@@ -250,21 +256,89 @@ class DraftModelProposer:
 
 def _check_settings(k, tree_width, max_nodes, dynamic, k_min, k_max, confidence_threshold) -> None:
     if k < 1 or tree_width < 1:
-        raise ValueError(f"k and tree_width must be >= 1, got k={k}, tree_width={tree_width}")
+        raise InputError(f"k and tree_width must be >= 1, got k={k}, tree_width={tree_width}")
     if max_nodes is not None and max_nodes < 1:
-        raise ValueError(f"max_nodes must be >= 1 or None, got {max_nodes}")
+        raise InputError(f"max_nodes must be >= 1 or None, got {max_nodes}")
     if dynamic and not 1 <= k_min <= k <= k_max:
-        raise ValueError(f"dynamic depth needs 1 <= k_min <= k <= k_max, got k_min={k_min}, k={k}, k_max={k_max}")
+        raise InputError(f"dynamic depth needs 1 <= k_min <= k <= k_max, got k_min={k_min}, k={k}, k_max={k_max}")
     if confidence_threshold is not None and not 0.0 <= confidence_threshold < 1.0:
-        raise ValueError(f"confidence_threshold must be in [0, 1) or None, got {confidence_threshold}")
+        raise InputError(f"confidence_threshold must be in [0, 1) or None, got {confidence_threshold}")
 
 
 def load_draft_model(path: str | Path, device: torch.device | None = None) -> nn.Module:
-    """Load a causal LM checkpoint directory in float32 (on ``device`` when given)."""
-    if not Path(path).is_dir():
+    """Load a causal LM checkpoint directory in float32 (on ``device`` when given).
+
+    A broken ``config.json``, weights file or tokenizer file (when the directory holds one)
+    is one ``InputError`` line naming the file.
+    """
+    path = Path(path)
+    if not path.is_dir():
         raise FileNotFoundError(f"draft model directory {path} does not exist (no hub downloads: give a local checkpoint)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = load_causal_lm(path, "draft", dtype=torch.float32)
+    if any((path / name).is_file() for name in TOKENIZER_FILES):
+        load_tokenizer(path, "draft")  # checked here, so that a broken file fails at load time, not at first use
     return model.to(device) if device is not None else model
+
+
+def load_causal_lm(path: Path, role: str, **kwargs) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(path, **kwargs)`` in eval mode; unreadable files are one InputError line.
+
+    Args:
+        role: what the model is, for messages (``"target"``, ``"draft"``).
+    """
+    config_file = path / "config.json"
+    try:
+        values = json.loads(config_file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{role} directory {path} has no config.json (expected a save_pretrained model directory)") from None
+    except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise InputError(f"{role} config {config_file} is not valid JSON: {_first_line(error)}") from error
+    if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
+        raise InputError(f"{role} config {config_file} has no model_type (a save_pretrained config.json names its architecture)")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except LOAD_ERRORS as error:
+        raise InputError(f"{role} config {config_file} cannot be used: {_first_line(error)}") from error
+    weights = next((path / name for name in WEIGHT_FILES if (path / name).is_file()), path)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs).eval()
+    except LOAD_ERRORS as error:
+        hint = " (a truncated or corrupt file)" if isinstance(error, SafetensorError) else ""
+        raise InputError(f"{role} weights {weights} cannot be loaded{hint}: {_first_line(error)}") from error
+
+
+def load_tokenizer(path: Path, role: str):
+    """``AutoTokenizer.from_pretrained(path)``; a tokenizer file that cannot be read is one InputError line naming it."""
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as error:  # tokenizers' parsers raise bare Exception, KeyError, ValueError, OSError
+        raise InputError(f"{role} tokenizer {_broken_tokenizer_file(path)} cannot be loaded: {_first_line(error)}") from error
+
+
+def _broken_tokenizer_file(path: Path) -> str:
+    """The tokenizer JSON file in ``path`` that does not parse, else the tokenizer files present (for messages)."""
+    files = [name for name in TOKENIZER_FILES if (path / name).is_file()]
+    for name in files:
+        if name.endswith(".json"):
+            try:
+                json.loads((path / name).read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                return str(path / name)
+    if "tokenizer.json" in files:
+        try:
+            Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception:  # valid JSON, but not a tokenizer
+            return str(path / "tokenizer.json")
+    return str(path / files[0]) if len(files) == 1 else f"{path} ({', '.join(files)})"
+
+
+def _first_line(error: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message, cut to ``limit`` characters (transformers' messages run long)."""
+    if isinstance(error, KeyError):  # its message is the bare key
+        return f"missing key {error}"
+    lines = str(error).strip().splitlines()
+    line = lines[0] if lines else type(error).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def context_limit(model: nn.Module) -> int | None:
@@ -297,29 +371,29 @@ def check_full_attention(model: nn.Module, role: str) -> None:
 
 
 def check_vocabulary(draft: nn.Module, target: nn.Module) -> None:
-    """Raise ValueError unless draft and target score the same tokens.
+    """Raise InputError unless draft and target score the same tokens.
 
     Compares logits sizes, then (when both checkpoint directories hold a tokenizer) the
     special tokens and the strings of a sample of token ids.
     """
     draft_size, target_size = output_vocab_size(draft), output_vocab_size(target)
     if draft_size != target_size:
-        raise ValueError(
+        raise InputError(
             f"draft vocabulary size {draft_size} differs from the target's {target_size}: the draft model must use the target's tokenizer"
         )
-    draft_tok, target_tok = _local_tokenizer(draft), _local_tokenizer(target)
+    draft_tok, target_tok = _local_tokenizer(draft, "draft"), _local_tokenizer(target, "target")
     if draft_tok is None or target_tok is None:
         return
     if len(draft_tok) != len(target_tok):
-        raise ValueError(f"draft tokenizer has {len(draft_tok)} tokens, the target's {len(target_tok)}: the vocabularies differ")
+        raise InputError(f"draft tokenizer has {len(draft_tok)} tokens, the target's {len(target_tok)}: the vocabularies differ")
     for role in ("bos_token", "eos_token", "unk_token"):
         mine, theirs = getattr(draft_tok, role, None), getattr(target_tok, role, None)
         if str(mine) != str(theirs):
-            raise ValueError(f"draft {role} is {mine!r} but the target's is {theirs!r}: the vocabularies differ")
+            raise InputError(f"draft {role} is {mine!r} but the target's is {theirs!r}: the vocabularies differ")
     for i in _sample_ids(len(target_tok), draft_tok.all_special_ids + target_tok.all_special_ids):
         mine, theirs = draft_tok.convert_ids_to_tokens(i), target_tok.convert_ids_to_tokens(i)
         if mine != theirs:
-            raise ValueError(f"token id {i} is {mine!r} in the draft tokenizer but {theirs!r} in the target's: the vocabularies differ")
+            raise InputError(f"token id {i} is {mine!r} in the draft tokenizer but {theirs!r} in the target's: the vocabularies differ")
 
 
 def _sample_ids(size: int, special_ids: list[int]) -> list[int]:
@@ -330,16 +404,12 @@ def _sample_ids(size: int, special_ids: list[int]) -> list[int]:
     return sorted(set(spread) | set(range(size - 256, size)) | {i for i in special_ids if 0 <= i < size})
 
 
-def _local_tokenizer(model: nn.Module):
-    """The tokenizer saved next to a model's checkpoint, or None when there is none."""
+def _local_tokenizer(model: nn.Module, role: str):
+    """The tokenizer saved next to a model's checkpoint, or None when there is none (a broken one is an InputError)."""
     path = Path(getattr(model, "name_or_path", "") or "")
     if not str(path) or not path.is_dir() or not any((path / name).is_file() for name in TOKENIZER_FILES):
         return None
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as error:  # a broken tokenizer must not hide behind a passing size check
-        warnings.warn(f"could not load the tokenizer in {path} ({error}); vocabularies compared by size only", stacklevel=3)
-        return None
+    return load_tokenizer(path, role)
 
 
 def warn_if_bigger(draft: nn.Module, target: nn.Module) -> None:

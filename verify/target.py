@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
-from draftsmith.proposers.base import Draft, TargetFeatures, output_vocab_size
-from draftsmith.proposers.draft_model import check_full_attention, context_limit
+from draftsmith.proposers.base import Draft, InputError, TargetFeatures, output_vocab_size
+from draftsmith.proposers.draft_model import check_full_attention, context_limit, load_causal_lm, load_tokenizer
 from draftsmith.proposers.tree import compact_cache, crop_cache, tree_attention_mask, tree_position_ids
 
 TARGET_DTYPES = ("float32", "bfloat16", "float16")
@@ -102,6 +102,10 @@ class Target:
 def load_target(path: str | Path, dtype: str | torch.dtype = torch.float32, device_map: str | dict | None = None):
     """Load a local causal LM and its tokenizer in eval mode; clear errors for a bad directory.
 
+    A missing directory, config or tokenizer is a ``FileNotFoundError``; a broken
+    ``config.json`` (invalid JSON, no ``model_type``), a truncated or corrupt weights file
+    or a broken tokenizer file is one ``InputError`` line naming the file.
+
     Args:
         path: a ``save_pretrained`` directory holding the model and its tokenizer.
         dtype: ``torch.float32`` (default), ``bfloat16`` or ``float16`` (or their names).
@@ -115,8 +119,8 @@ def load_target(path: str | Path, dtype: str | torch.dtype = torch.float32, devi
         raise FileNotFoundError(f"target directory {path} has no tokenizer (tokenizer.json / tokenizer_config.json)")
     if isinstance(dtype, str):
         if dtype not in TARGET_DTYPES:
-            raise ValueError(f"target dtype {dtype!r} is not one of {list(TARGET_DTYPES)}")
+            raise InputError(f"target dtype {dtype!r} is not one of {list(TARGET_DTYPES)}")
         dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = load_causal_lm(path, "target", dtype=dtype, device_map=device_map)
+    tokenizer = load_tokenizer(path, "target")
     return model, tokenizer

@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
+import json
+import shutil
 import warnings
 from collections import Counter
 
@@ -22,8 +24,8 @@ from transformers import DynamicCache, PreTrainedTokenizerFast
 
 import draftsmith.proposers.tree as tree
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.base import ProposeContext, SamplingParams, logits_to_probs
-from draftsmith.proposers.draft_model import DraftModelProposer
+from draftsmith.proposers.base import InputError, ProposeContext, SamplingParams, logits_to_probs
+from draftsmith.proposers.draft_model import DraftModelProposer, load_draft_model
 from draftsmith.verify import SpeculativeDecoder
 
 MAX_NEW = 40
@@ -348,12 +350,12 @@ def test_config_errors(checkpoints):
     ],
 )
 def test_bad_settings(kwargs, message, drafts):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InputError, match=message):
         DraftModelProposer(drafts["other"], **kwargs)
 
 
 def test_vocabulary_size_mismatch_is_refused(model, make_llama):
-    with pytest.raises(ValueError, match="draft vocabulary size 64 differs from the target's 128"):
+    with pytest.raises(InputError, match="draft vocabulary size 64 differs from the target's 128"):
         DraftModelProposer(make_llama(vocab_size=64, hidden_size=16), target=model)
 
 
@@ -362,7 +364,7 @@ def test_vocabulary_size_mismatch_is_refused(model, make_llama):
     [("renamed", "token id 77 is 'w77x' in the draft"), ("other_eos", "draft eos_token is '<eos>' but the target's is '</s>'")],
 )
 def test_tokenizer_mismatch_is_refused(name, message, checkpoints):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InputError, match=message):
         load_proposer({"type": "draft_model", "model": checkpoints[name]}, target=checkpoints["target"])
 
 
@@ -372,3 +374,28 @@ def test_a_draft_bigger_than_the_target_warns(model, make_llama):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         DraftModelProposer(make_llama(hidden_size=16), target=model)
+
+
+# ---------------------------------------------------------------------------------------
+# Loading: broken files are one InputError line naming the file (load_target shares the loader)
+
+CORRUPTIONS = {
+    "truncated weights": ("model.safetensors", lambda f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])),
+    "config not JSON": ("config.json", lambda f: f.write_text("{not json")),
+    "config without model_type": ("config.json", lambda f: f.write_text(json.dumps({"vocab_size": 128}))),
+    "tokenizer.json truncated": ("tokenizer.json", lambda f: f.write_text(f.read_text()[:100])),
+    "tokenizer_config.json not JSON": ("tokenizer_config.json", lambda f: f.write_text("{oops")),
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_load_draft_model_names_the_broken_file_in_one_line(kind, checkpoints, tmp_path):
+    directory = tmp_path / "draft"
+    shutil.copytree(checkpoints["draft"], directory)
+    name, corrupt = CORRUPTIONS[kind]
+    corrupt(directory / name)
+    for load in (lambda: load_draft_model(directory), lambda: load_proposer({"type": "draft_model", "model": str(directory)})):
+        with pytest.raises(InputError) as error:
+            load()
+        message = str(error.value)
+        assert "draft " in message and str(directory / name) in message and "\n" not in message, message

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -9,7 +12,7 @@ import draftsmith.verify.decoder as decoder_module
 from draftsmith.proposers import load_proposer
 from draftsmith.proposers.base import Draft, InputError, ProposeContext
 from draftsmith.verify import SpeculativeDecoder
-from draftsmith.verify.target import Target
+from draftsmith.verify.target import Target, load_target
 
 MAX_NEW = 48
 
@@ -253,3 +256,39 @@ def test_proposer_with_another_vocabulary_is_refused(model):
     proposer.vocab_size = 64
     with pytest.raises(InputError, match="vocabulary size 64 differs from the target's 128"):
         SpeculativeDecoder(model, proposer)
+
+
+# ---------------------------------------------------------------------------------------
+# Loading a target: broken files are one InputError line naming the file
+
+CORRUPTIONS = {
+    "truncated weights": ("model.safetensors", lambda f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])),
+    "garbage weights": ("model.safetensors", lambda f: f.write_bytes(b"\x00not safetensors" * 8)),
+    "config not JSON": ("config.json", lambda f: f.write_text("{not json")),
+    "config without model_type": ("config.json", lambda f: f.write_text(json.dumps(drop_key(json.loads(f.read_text()), "model_type")))),
+    "tokenizer.json truncated": ("tokenizer.json", lambda f: f.write_text(f.read_text()[:100])),
+    "tokenizer.json of another shape": ("tokenizer.json", lambda f: f.write_text(json.dumps({"model": {"type": "Nope"}}))),
+    "tokenizer_config.json not JSON": ("tokenizer_config.json", lambda f: f.write_text("{oops")),
+}
+
+
+def drop_key(values: dict, key: str) -> dict:
+    return {k: v for k, v in values.items() if k != key}
+
+
+def corrupt_copy(source, tmp_path, kind):
+    """A copy of the checkpoint directory ``source`` with one file broken as ``kind`` says; returns (directory, broken file)."""
+    target = tmp_path / "checkpoint"
+    shutil.copytree(source, target)
+    name, corrupt = CORRUPTIONS[kind]
+    corrupt(target / name)
+    return target, target / name
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_load_target_names_the_broken_file_in_one_line(kind, tiny_target_dir, tmp_path):
+    directory, broken = corrupt_copy(tiny_target_dir, tmp_path, kind)
+    with pytest.raises(InputError) as error:
+        load_target(directory)
+    message = str(error.value)
+    assert message.startswith("target ") and str(broken) in message and "\n" not in message, message
