@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
 def run_generate(args) -> int:
     from draftsmith.proposers import load_proposer
     from draftsmith.verify import SpeculativeDecoder, load_target
+    from draftsmith.verify.decoder import check_settings
 
+    check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)  # before loading anything
     model, tokenizer = load_target(args.target)
     proposer = load_proposer(args.proposer, target=model) if args.proposer else None
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids

@@ -14,14 +14,17 @@ from typing import Literal
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import GenerationConfig
 
 from draftsmith.proposers.base import InputError
 from draftsmith.proposers.draft_model import check_vocabulary, warn_if_bigger
+from draftsmith.proposers.models import context_limit, load_causal_lm
 
 from .capture import Captured
 from .common import small_llama
 from .losses import LOSSES, forward_kl, top1_agreement
+
+FALLBACK_POSITIONS = 8192  # a fresh draft's positions when the target's config states none
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ class DraftLMObjective:
     def build(self, target: nn.Module, tokenizer) -> nn.Module:
         """The draft: loaded from ``pretrained`` (with LoRA adapters when asked), or a fresh Llama."""
         if self.pretrained is not None:
-            draft = AutoModelForCausalLM.from_pretrained(self.pretrained, dtype=torch.float32)
+            draft = load_causal_lm(Path(self.pretrained), "draft.pretrained", dtype=torch.float32)
             check_vocabulary(draft, target)
         else:
             draft = fresh_llama(self.init, target, tokenizer)
@@ -118,7 +121,7 @@ class DraftLMObjective:
 
 def fresh_llama(init: DraftInit, target: nn.Module, tokenizer) -> nn.Module:
     """A fresh Llama draft with the target's vocabulary, positions and special tokens."""
-    vocab, positions = target.config.vocab_size, target.config.max_position_embeddings
+    vocab, positions = target.config.vocab_size, context_limit(target) or FALLBACK_POSITIONS
     draft = small_llama(
         tokenizer, vocab, init.hidden_size, init.intermediate_size, init.num_layers, init.num_heads, init.num_kv_heads, positions
     )

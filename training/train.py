@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from draftsmith.proposers.config import ConfigError, build, check_writable, load
+from draftsmith.proposers.models import context_limit
 from draftsmith.verify.target import load_target
 
 from .capture import CaptureConfig, CapturedRows, Capturer, offline_key, read_manifest
@@ -344,8 +345,9 @@ def train(cfg: TrainConfig, interrupt_after_steps: int = 0) -> Path:
     accelerator = make_accelerator(cfg, run_dir)
     config_text = resolved_recipe(cfg)
     target, tokenizer = load_frozen_target(cfg, accelerator.device)
-    if cfg.data.block_size > target.config.max_position_embeddings:
-        raise ConfigError(f"data.block_size={cfg.data.block_size} exceeds the target's max_position_embeddings")
+    positions = context_limit(target)
+    if positions is not None and cfg.data.block_size > positions:
+        raise ConfigError(f"data.block_size={cfg.data.block_size} exceeds the target's {positions} positions")
     objective.check(target, tokenizer)
     # data
     train_rows, eval_rows = training_rows(cfg, target, tokenizer, run_dir, accelerator)

@@ -24,7 +24,7 @@ from draftsmith.proposers.base import (
     check_integer,
     output_vocab_size,
 )
-from draftsmith.proposers.draft_model import check_full_attention, context_limit
+from draftsmith.proposers.models import check_full_attention, context_limit
 from draftsmith.proposers.tree import node_depths, prune_depth, validate_draft
 
 from .rejection import rejection_sample
@@ -169,14 +169,7 @@ class SpeculativeDecoder:
 
     def check_request(self, input_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id) -> Request:
         """Check every argument of ``generate`` against this target; raise ``InputError`` naming the first bad one."""
-        sampling = SamplingParams(temperature, top_k, top_p)
-        max_new_tokens = check_integer("max_new_tokens", max_new_tokens)
-        if max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if seed is not None:
-            seed = check_integer("seed", seed)
-            if not -(2**63) <= seed < 2**64:
-                raise InputError(f"seed must be an integer in [-2**63, 2**64) or None, got {seed}")
+        max_new_tokens, sampling, seed = check_settings(max_new_tokens, temperature, top_k, top_p, seed)
         input_ids, prompt = self._check_prompt(input_ids)
         if self.max_positions is not None and len(prompt) + max_new_tokens > self.max_positions:
             raise InputError(
@@ -202,6 +195,19 @@ class SpeculativeDecoder:
                 f"input_ids hold token id {prompt[outside]} at position {outside}, outside the vocabulary [0, {self.vocab_size})"
             )
         return input_ids.to(device=self.model.device, dtype=torch.long), prompt
+
+
+def check_settings(max_new_tokens, temperature, top_k, top_p, seed) -> tuple[int, SamplingParams, int | None]:
+    """The request settings that need no model, checked (``InputError`` naming the first bad one): (max_new_tokens, sampling, seed)."""
+    sampling = SamplingParams(temperature, top_k, top_p)
+    max_new_tokens = check_integer("max_new_tokens", max_new_tokens)
+    if max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if seed is not None:
+        seed = check_integer("seed", seed)
+        if not -(2**63) <= seed < 2**64:
+            raise InputError(f"seed must be an integer in [-2**63, 2**64) or None, got {seed}")
+    return max_new_tokens, sampling, seed
 
 
 def _is_integer(dtype: torch.dtype) -> bool:

@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from draftsmith.proposers.base import Draft, InputError, TargetFeatures, output_vocab_size
-from draftsmith.proposers.draft_model import check_full_attention, context_limit, load_causal_lm, load_tokenizer
+from draftsmith.proposers.models import check_full_attention, context_limit, load_causal_lm, load_tokenizer
 from draftsmith.proposers.tree import compact_cache, crop_cache, tree_attention_mask, tree_position_ids
 
 TARGET_DTYPES = ("float32", "bfloat16", "float16")

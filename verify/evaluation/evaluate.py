@@ -21,8 +21,9 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.base import InputError, TransformersPeer
+from draftsmith.proposers.base import InputError, SamplingParams, TransformersPeer
 from draftsmith.proposers.config import build, check_writable, load
+from draftsmith.proposers.models import context_limit
 
 from ..decoder import SpeculativeDecoder
 from ..stats import DecodeStats
@@ -72,6 +73,7 @@ class EvalConfig:
         for name in ("num_prompts", "prompt_tokens", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
+        SamplingParams(self.temperature, self.top_k, self.top_p)  # refuses what generate would (inf, a negative top_k, ...)
         if self.threads is not None and self.threads < 1:
             raise InputError(f"threads must be >= 1 or null, got {self.threads}")
 
@@ -119,7 +121,7 @@ def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
     if config.threads:
         torch.set_num_threads(config.threads)
     model, tokenizer = load_target(config.target)
-    max_positions = getattr(model.config, "max_position_embeddings", None)
+    max_positions = context_limit(model)
     if max_positions is not None and config.prompt_tokens + config.max_new_tokens > max_positions:
         raise InputError(
             f"prompt_tokens={config.prompt_tokens} + max_new_tokens={config.max_new_tokens} exceeds the target's context "
