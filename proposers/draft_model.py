@@ -21,12 +21,13 @@ from torch import nn
 from transformers import DynamicCache
 
 from .base import Draft, InputError, ProposeContext, TargetFeatures, TransformersPeer, VerifyResult, output_vocab_size
-from .lean_forward import LeanForward
+from .cache import cache_probe_passes, fast_path_enabled, make_cache
+from .lean_forward import LEAN_MAX_ROWS, LeanForward
 from .models import TOKENIZER_FILES, check_full_attention, context_limit, load_causal_lm, load_tokenizer
 from .tree import DraftTree, compact_cache, crop_cache, grow_dynamic_tree, incremental_tree_mask
 
+CACHE_HEADROOM = 256  # preallocated draft positions beyond the prompt (more grows the buffer)
 SAMPLED_TOKEN_IDS = 4096  # token strings compared between draft and target tokenizers
-LEAN_MAX_ROWS = 16  # longer inputs (prompts) take the model's own forward and its causal kernel
 
 
 class DraftModelProposer:
@@ -48,8 +49,12 @@ class DraftModelProposer:
         target: the target model; when given, the vocabularies are checked against it.
         lean_forward: call the draft's submodules directly during drafting when a probe
             shows that this gives its own forward's logits (``proposers.lean_forward``);
-            False always calls ``model(...)``. Either way the draft probabilities are the
+            False always calls ``model(...)``; None: on unless the environment sets
+            ``DRAFTSMITH_FAST_PATHS=0``. Either way the draft probabilities are the
             ones the tokens were drawn from, so the choice never changes what is lossless.
+        preallocated_cache: keep the draft's KV cache in buffers written in place
+            (``proposers.cache``) when a probe shows its logits unchanged; None: on unless
+            the environment sets ``DRAFTSMITH_FAST_PATHS=0``.
 
     The cache keeps the KV of the accepted draft tokens that were fed to draft (``observe``
     drops the rest), so the next step feeds only the target's recovered or bonus token.
@@ -78,7 +83,8 @@ class DraftModelProposer:
         k_max: int = 8,
         confidence_threshold: float | None = None,
         target: nn.Module | None = None,
-        lean_forward: bool = True,
+        lean_forward: bool | None = None,
+        preallocated_cache: bool | None = None,
     ):
         _check_settings(k, tree_width, max_nodes, dynamic, k_min, k_max, confidence_threshold)
         if isinstance(model, (str, Path)):
@@ -93,7 +99,8 @@ class DraftModelProposer:
         self.k, self.tree_width, self.max_nodes = k, tree_width, max_nodes
         self.dynamic, self.k_min, self.k_max = dynamic, k_min, k_max
         self.confidence_threshold = confidence_threshold
-        self.lean = LeanForward.probe(self.model) if lean_forward else None
+        self.lean = LeanForward.probe(self.model) if fast_path_enabled(lean_forward) else None
+        self.preallocate = fast_path_enabled(preallocated_cache) and cache_probe_passes(self.model, "draft")
         self.depth = k  # the current draft depth; moves only when dynamic
         self.cache: DynamicCache | None = None
         self.cached_tokens: list[int] = []  # tokens whose KV the cache holds, in order (committed or a chain's guesses)
@@ -116,7 +123,7 @@ class DraftModelProposer:
         The depth restarts at ``k`` so that a seeded request gives the same output
         whatever ran before it.
         """
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = self._new_cache(len(prompt))
         self.cached_tokens = []
         self.depth, self._last_depth, self._pending = self.k, 0, None
         if prompt and self._room(len(prompt) + 1) >= 1:  # else no draft fits after the prompt: never feed it
@@ -181,10 +188,14 @@ class DraftModelProposer:
 
     # -- the draft cache -------------------------------------------------------------
 
+    def _new_cache(self, context: int) -> DynamicCache:
+        """An empty cache; preallocated for the context plus room to generate (it grows beyond)."""
+        return make_cache(self.model, context + CACHE_HEADROOM if self.preallocate else 0)
+
     def _catch_up(self, tokens: list[int]) -> torch.Tensor:
         """Feed the committed tokens the cache has not seen; return the logits after the last, ``[vocab]``."""
         if self.cache is None:  # propose() without begin(): start from an empty cache
-            self.cache = DynamicCache(config=self.model.config)
+            self.cache = self._new_cache(len(tokens))
         cached = self.cached_tokens
         limit = min(len(cached), len(tokens) - 1)  # the last token is always fed: we need its logits
         keep = limit if tokens[:limit] == cached[:limit] else 0  # the usual case: one C-speed comparison

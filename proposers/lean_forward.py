@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 PROBE_TOKENS = 6
+LEAN_MAX_ROWS = 16  # longer inputs (prompts) take the model's own forward and its causal kernel
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")  # the ones that take a 4D additive float mask as given
 
 

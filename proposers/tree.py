@@ -404,7 +404,12 @@ def compact_cache(cache, prefix_len: int, kept: list[int]) -> None:
         crop_cache(cache, prefix_len + len(kept))
         return
     device = cache.layers[0].keys.device
-    keep = torch.cat([torch.arange(prefix_len), torch.tensor(kept, dtype=torch.long)]).to(device)
+    keep = None
     for layer in cache.layers:
+        if hasattr(layer, "compact"):  # a preallocated layer moves the kept entries down in place
+            layer.compact(prefix_len, kept)
+            continue
+        if keep is None:
+            keep = torch.cat([torch.arange(prefix_len), torch.tensor(kept, dtype=torch.long)]).to(device)
         layer.keys = layer.keys.index_select(-2, keep)
         layer.values = layer.values.index_select(-2, keep)

@@ -24,12 +24,16 @@ from draftsmith.proposers.base import (
     check_integer,
     output_vocab_size,
 )
+from draftsmith.proposers.cache import cache_probe_passes, fast_path_enabled
+from draftsmith.proposers.lean_forward import LeanForward
 from draftsmith.proposers.models import check_full_attention, context_limit
 from draftsmith.proposers.tree import node_depths, prune_depth, validate_draft
 
 from .rejection import rejection_sample
 from .stats import DecodeStats
 from .target import Target, TargetOutput
+
+CACHE_HEADROOM = 64  # preallocated positions beyond prompt + output, for a step's draft nodes (more grows the buffer)
 
 
 @dataclass(frozen=True)
@@ -73,11 +77,25 @@ class SpeculativeDecoder:
         model: a Hugging Face causal LM with full-attention layers (sliding-window models
             are refused); it is put in eval mode and never modified.
         proposer: any ``Proposer``; None decodes one token per target forward.
+        preallocated_cache: keep the target's KV cache in buffers written in place
+            (``proposers.cache``) when a probe shows the model's logits unchanged by it;
+            else (or False) transformers' ``DynamicCache``. None: on unless the environment
+            sets ``DRAFTSMITH_FAST_PATHS=0``.
+        lean_forward: score drafts through the model's own submodules (``proposers.lean_forward``)
+            when a probe shows that gives its forward's logits; None as above.
     """
 
-    def __init__(self, model: PreTrainedModel, proposer: Proposer | None = None):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        proposer: Proposer | None = None,
+        preallocated_cache: bool | None = None,
+        lean_forward: bool | None = None,
+    ):
         check_full_attention(model, "target")
         self.model = model.eval()
+        self.preallocate = fast_path_enabled(preallocated_cache) and cache_probe_passes(self.model, "target")
+        self.lean = LeanForward.probe(self.model) if fast_path_enabled(lean_forward) else None
         self.proposer = proposer
         self.vocab_size = output_vocab_size(model)
         self.max_positions = context_limit(model)
@@ -116,11 +134,11 @@ class SpeculativeDecoder:
         sampling, eos = request.sampling, request.eos
         generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
         proposer = self.proposer
-        target = Target(self.model, proposer.hidden_layers if proposer is not None else ())
+        target = Target(self.model, proposer.hidden_layers if proposer is not None else (), self.preallocate, self.lean)
         stats = DecodeStats()
         start = time.perf_counter()
 
-        out = target.prefill(input_ids)
+        out = target.prefill(input_ids, capacity=len(prompt) + max_new_tokens + CACHE_HEADROOM)
         first = rejection_sample(Draft.empty(), out.logits[-1:], sampling, generator).next_token
         stats.requests = stats.target_forwards = 1
         stats.ttft = time.perf_counter() - start

@@ -15,6 +15,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from draftsmith.proposers.base import Draft, InputError, TargetFeatures, output_vocab_size
+from draftsmith.proposers.cache import make_cache
+from draftsmith.proposers.lean_forward import LEAN_MAX_ROWS, LeanForward
 from draftsmith.proposers.models import check_full_attention, context_limit, load_causal_lm, load_tokenizer
 from draftsmith.proposers.tree import compact_cache, crop_cache, tree_attention_mask, tree_position_ids
 
@@ -45,10 +47,13 @@ class Target:
             (0 = embeddings, i = output of layer i, -1 = the final normed state).
     """
 
-    def __init__(self, model: PreTrainedModel, hidden_layers: tuple[int, ...] = ()):
+    def __init__(
+        self, model: PreTrainedModel, hidden_layers: tuple[int, ...] = (), preallocate: bool = False, lean: LeanForward | None = None
+    ):
         check_full_attention(model, "target")
         self.model = model
         self.hidden_layers = tuple(hidden_layers)
+        self.preallocate, self.lean = preallocate, lean
         self.vocab_size = output_vocab_size(model)
         self.max_positions = context_limit(model)  # None: no limit stated
         self.cache: DynamicCache | None = None
@@ -59,10 +64,15 @@ class Target:
     def cache_len(self) -> int:
         return self.cache.get_seq_length() if self.cache is not None else 0
 
-    def prefill(self, input_ids: torch.Tensor) -> TargetOutput:
-        """Run the prompt ``[1, T]``; return the last position's logits ``[1, vocab]``."""
-        self.cache = DynamicCache(config=self.model.config)
-        return self._forward(input_ids, logits_to_keep=1)
+    def prefill(self, input_ids: torch.Tensor, capacity: int = 0) -> TargetOutput:
+        """Run the prompt ``[1, T]``; return the last position's logits ``[1, vocab]``.
+
+        Args:
+            capacity: positions to preallocate the cache for (when ``preallocate``; it grows if exceeded).
+        """
+        self.cache = make_cache(self.model, capacity if self.preallocate else 0)
+        out = self.model(input_ids, cache=self.cache, use_cache=True, output_hidden_states=bool(self.hidden_layers), logits_to_keep=1)
+        return self._output(out)
 
     def score(self, root_token: int, draft: Draft) -> TargetOutput:
         """Score root + draft in one forward; return logits ``[n + 1, vocab]``.
@@ -75,12 +85,11 @@ class Target:
         input_ids = torch.cat([torch.tensor([root_token]), draft.token_ids]).to(device)[None]
         self._scored_past = past
         self._scored_chain = draft.is_chain()
-        if self._scored_chain:
-            # A chain is plain causal attention: the model builds its own mask.
-            return self._forward(input_ids)
+        if self._scored_chain:  # plain causal attention: no mask to build here
+            return self._forward(input_ids, None, torch.arange(past, past + input_ids.shape[1], device=device)[None])
         parents = draft.parent_list
         mask = tree_attention_mask(parents, past, dtype=self.model.dtype).to(device)
-        return self._forward(input_ids, attention_mask=mask, position_ids=tree_position_ids(parents, past).to(device))
+        return self._forward(input_ids, mask, tree_position_ids(parents, past).to(device))
 
     def commit(self, accepted_nodes: list[int]) -> None:
         """Keep the root and the accepted nodes in the cache; drop every other scored entry."""
@@ -90,11 +99,18 @@ class Target:
             return
         compact_cache(self.cache, past + 1, [past + 1 + node for node in accepted_nodes])
 
-    def _forward(self, input_ids: torch.Tensor, **kwargs) -> TargetOutput:
-        want_hidden = bool(self.hidden_layers)
-        out = self.model(input_ids, cache=self.cache, use_cache=True, output_hidden_states=want_hidden, **kwargs)
+    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor) -> TargetOutput:
+        """Score ``input_ids`` ``[1, m]`` at ``position_ids`` with ``mask`` (None: causal) after the cache; extend it."""
+        if self.lean is not None and not self.hidden_layers and input_ids.shape[1] <= LEAN_MAX_ROWS:
+            return TargetOutput(self.lean(input_ids, self.cache, position_ids, mask), None)
+        kwargs = {"attention_mask": mask, "position_ids": position_ids} if mask is not None else {}
+        return self._output(
+            self.model(input_ids, cache=self.cache, use_cache=True, output_hidden_states=bool(self.hidden_layers), **kwargs)
+        )
+
+    def _output(self, out) -> TargetOutput:
         features = None
-        if want_hidden:
+        if self.hidden_layers:
             features = TargetFeatures({i: out.hidden_states[i][0] for i in self.hidden_layers})
         return TargetOutput(out.logits[0], features)
 

@@ -11,6 +11,7 @@ import torch
 import draftsmith.verify.decoder as decoder_module
 from draftsmith.proposers import load_proposer
 from draftsmith.proposers.base import Draft, InputError, ProposeContext
+from draftsmith.proposers.cache import PreallocatedLayer
 from draftsmith.verify import SpeculativeDecoder
 from draftsmith.verify.target import Target, load_target
 
@@ -94,12 +95,16 @@ def proposers_under_test(reference, prompt_len):
     }
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["fast_paths", "plain_paths"])
 @pytest.mark.parametrize(
     "name", ["empty", "ngram_chain", "ngram_tree", "oracle", "random_reject", "random_tree_0", "random_tree_1", "random_tree_2"]
 )
-def test_greedy_is_token_identical_to_generate(name, model, prompt, reference):
+def test_greedy_is_token_identical_to_generate(name, fast, model, prompt, reference):
+    """With the preallocated cache and the lean forward (both probed on the model) and with neither."""
     proposer = proposers_under_test(reference, prompt.shape[1])[name]
-    result = SpeculativeDecoder(model, proposer).generate(prompt, max_new_tokens=MAX_NEW)
+    decoder = SpeculativeDecoder(model, proposer, preallocated_cache=fast, lean_forward=fast)
+    assert (decoder.preallocate, decoder.lean is not None) == (fast, fast)  # the probes pass on a Llama
+    result = decoder.generate(prompt, max_new_tokens=MAX_NEW)
     assert result.new_tokens == reference
     stats = result.stats
     assert stats.new_tokens == MAX_NEW
@@ -118,9 +123,9 @@ class CheckedTarget(Target):
 
     checks = 0
 
-    def prefill(self, input_ids):
+    def prefill(self, input_ids, capacity=0):
         self.sequence = input_ids[0].tolist()
-        return super().prefill(input_ids)
+        return super().prefill(input_ids, capacity)
 
     def score(self, root_token, draft):
         self._root, self._draft_tokens = root_token, draft.token_ids.tolist()
@@ -129,21 +134,24 @@ class CheckedTarget(Target):
     def commit(self, accepted_nodes):
         super().commit(accepted_nodes)
         self.sequence += [self._root] + [self._draft_tokens[i] for i in accepted_nodes]
-        fresh = Target(self.model)
+        fresh = Target(self.model)  # a DynamicCache filled by one prefill
         fresh.prefill(torch.tensor([self.sequence]))
         assert self.cache_len == len(self.sequence)
+        assert all(isinstance(layer, PreallocatedLayer) == self.preallocate for layer in self.cache.layers)
         for mine, ref in zip(self.cache.layers, fresh.cache.layers, strict=True):
             torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-4)
         CheckedTarget.checks += 1
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["fast_paths", "plain_paths"])
 @pytest.mark.parametrize("name", ["ngram_tree", "random_tree_0", "oracle"])
-def test_kv_cache_equals_fresh_prefill_after_every_step(name, model, prompt, reference, monkeypatch):
+def test_kv_cache_equals_fresh_prefill_after_every_step(name, fast, model, prompt, reference, monkeypatch):
     monkeypatch.setattr(decoder_module, "Target", CheckedTarget)
+    monkeypatch.setattr(decoder_module, "CACHE_HEADROOM", 1)  # small buffers: commits also cross a growth
     CheckedTarget.checks = 0
     proposer = proposers_under_test(reference, prompt.shape[1])[name]
-    result = SpeculativeDecoder(model, proposer).generate(prompt, max_new_tokens=24)
+    result = SpeculativeDecoder(model, proposer, preallocated_cache=fast, lean_forward=fast).generate(prompt, max_new_tokens=24)
     assert CheckedTarget.checks == result.stats.target_forwards - 1 > 0
 
 
