@@ -253,6 +253,8 @@ def _check(value, hint, name: str, where: str):
     if dataclasses.is_dataclass(hint):
         if isinstance(value, hint):
             return value
+        if not isinstance(value, Mapping):
+            raise _Mismatch
         return build(hint, value, where, prefix=name + ".")
     if origin in (list, tuple):
         if isinstance(value, str) and args and args[0] is str:

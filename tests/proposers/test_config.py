@@ -36,7 +36,7 @@ def test_values_are_checked_against_the_schema_types():
         "mode": ("slow", r"'mode': 'slow' is not one of \['fast', 'exact'\]"),
         "limit": (2.5, r"'limit': expected int or None, got 2.5"),
         "flag": ("no", r"'flag': expected bool, got 'no'"),  # a string is never read as a boolean
-        "inner": (3, r"inner must be a mapping"),
+        "inner": (3, r"'inner': expected a mapping of Inner keys, got 3"),
     }
     for key, (value, message) in bad.items():
         with pytest.raises(ConfigError, match=message):

@@ -11,7 +11,10 @@ Domains (one JSONL file each, ``{"prompt", "domain", "source"}``):
 - ``code``: held-out standard-library modules;
 - ``prose``: held-out man pages, package docs and pydoc topics;
 - ``copy``: a held-out passage, a blank line, then the passage's opening again, so
-  the continuation repeats the context (the RAG / summarisation case).
+  the continuation repeats the context (the RAG / summarisation case);
+- ``long``: held-out code and prose documents long enough to fill the target's context
+  (prompts of positions - max_new_tokens tokens: 960 for the 1024-position demo target),
+  when the target has at least 512 positions.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from draftsmith.training.demo.corpus import Document
 RECIPES = Path("recipes")
 DEMO_TARGET = RECIPES / "demo_target"
 MIN_PROMPT_TOKENS = 16
+LONG_MIN_POSITIONS = 512  # targets with fewer positions get no long domain
+CHARS_PER_LONG_TOKEN = 6  # characters kept per long-prompt token (the demo tokenizer averages about 3.5)
 DEMO_PROPOSERS = {
     "ngram": {"type": "ngram"},
     "ngram_tree": {"type": "ngram", "min_n": 1, "branches": 4, "max_nodes": 16},
@@ -64,10 +69,15 @@ def _window(text: str, chars: int, salt: str) -> str:
     return out if out.strip() else text[:chars]
 
 
-def build_domains(docs: dict[str, list[Document]], out_dir: Path, num_prompts: int, prompt_chars: int) -> dict[str, str]:
-    """Write code / prose / copy JSONL files of prompts; return ``{domain: path}``."""
+def build_domains(
+    docs: dict[str, list[Document]], out_dir: Path, num_prompts: int, prompt_chars: int, long_chars: int = 0
+) -> dict[str, str]:
+    """Write code / prose / copy (and, with ``long_chars``, long) JSONL files of prompts; return ``{domain: path}``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: dict[str, list[dict]] = {"code": [], "prose": [], "copy": []}
+    if long_chars:
+        long_docs = [d for pair in zip(docs["code"], docs["prose"], strict=False) for d in pair if len(d.text) >= long_chars]
+        rows["long"] = [{"prompt": d.text[:long_chars], "domain": "long", "source": d.path} for d in long_docs[:num_prompts]]
     for domain in ("code", "prose"):
         for doc in docs[domain][:num_prompts]:
             rows[domain].append({"prompt": _window(doc.text, prompt_chars, doc.path), "domain": domain, "source": doc.path})
@@ -103,7 +113,7 @@ def trained_drafts(target_dir: Path) -> dict[str, dict]:
 def run_demo(quick: bool = False, output_dir: str = "outputs/demo", num_prompts: int = 8, max_new_tokens: int = 64) -> dict:
     """Build or reuse the target, write the domains, run the evaluation; return its summary."""
     from draftsmith.proposers import REGISTRY
-    from draftsmith.verify.evaluation.evaluate import EvalConfig, evaluate
+    from draftsmith.verify.evaluation.evaluate import DomainFile, EvalConfig, evaluate
 
     for name, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -117,7 +127,12 @@ def run_demo(quick: bool = False, output_dir: str = "outputs/demo", num_prompts:
         raise InputError(
             f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the demo target's {block} positions (at most {most})"
         )
-    domains = build_domains(heldout_documents(target_dir), Path(output_dir) / "domains", num_prompts, prompt_chars=4 * prompt_tokens)
+    long_tokens = block - max_new_tokens if block >= LONG_MIN_POSITIONS else 0
+    domains: dict = build_domains(
+        heldout_documents(target_dir), Path(output_dir) / "domains", num_prompts, 4 * prompt_tokens, CHARS_PER_LONG_TOKEN * long_tokens
+    )
+    if long_tokens:
+        domains["long"] = DomainFile(domains["long"], prompt_tokens=long_tokens)
     proposers = dict(DEMO_PROPOSERS)
     if "draft_model" in REGISTRY:
         proposers.update(trained_drafts(target_dir))

@@ -36,12 +36,25 @@ COUNTS = ("requests", "steps", "truncated_steps", "drafted_by_depth", "reached_b
 
 
 @dataclass(frozen=True)
+class DomainFile:
+    """A domain's prompts with a length of their own (``prompt_tokens``; None: the config's)."""
+
+    path: str
+    prompt_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.prompt_tokens is not None and self.prompt_tokens < 1:
+            raise InputError(f"prompt_tokens must be >= 1, got {self.prompt_tokens}")
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     """What to evaluate; every key of the YAML file maps to one field (unknown keys fail).
 
     Args:
         target: directory of the target model and tokenizer (``save_pretrained``).
-        domains: domain name -> JSONL / text file or directory of prompts.
+        domains: domain name -> JSONL / text file or directory of prompts, or
+            ``{path: ..., prompt_tokens: n}`` for a domain whose prompts have another length.
         proposers: row name -> proposer config (``{"type": ..., ...}``).
         peers: also run the transformers peer every proposer declares, in a row named
             ``peer[proposer row]`` (``hf_assisted[demo_draft]``, ``hf_prompt_lookup[ngram]``).
@@ -52,7 +65,7 @@ class EvalConfig:
     """
 
     target: str
-    domains: dict[str, str]
+    domains: dict[str, str | DomainFile]
     proposers: dict[str, dict[str, Any]] = field(default_factory=dict)
     peers: bool = True
     num_prompts: int = 8
@@ -122,16 +135,17 @@ def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
         torch.set_num_threads(config.threads)
     model, tokenizer = load_target(config.target)
     max_positions = context_limit(model)
-    if max_positions is not None and config.prompt_tokens + config.max_new_tokens > max_positions:
-        raise InputError(
-            f"prompt_tokens={config.prompt_tokens} + max_new_tokens={config.max_new_tokens} exceeds the target's context "
-            f"of {max_positions} positions (max_position_embeddings); lower one of them"
+    prompts = []
+    for name, domain in config.domains.items():
+        path, prompt_tokens = (
+            (domain, config.prompt_tokens) if isinstance(domain, str) else (domain.path, domain.prompt_tokens or config.prompt_tokens)
         )
-    prompts = [
-        p
-        for name, path in config.domains.items()
-        for p in load_domain(name, path, tokenizer, config.num_prompts, config.prompt_tokens, max_positions)
-    ]
+        if max_positions is not None and prompt_tokens + config.max_new_tokens > max_positions:
+            raise InputError(
+                f"domain {name!r}: prompt_tokens={prompt_tokens} + max_new_tokens={config.max_new_tokens} exceeds the target's "
+                f"context of {max_positions} positions; lower one of them"
+            )
+        prompts += load_domain(name, path, tokenizer, config.num_prompts, prompt_tokens, max_positions)
     methods = build_methods(config, model, tokenizer)
     for run in methods.values():  # warm-up, untimed: the first call of each path pays one-off costs
         run(prompts[0], 0)

@@ -157,3 +157,28 @@ def test_bad_configs_and_domain_files(tiny_target_dir, tmp_path):
     config = EvalConfig(target=str(tmp_path), domains={"code": str(good)}, output_dir=str(tmp_path / "o"))
     with pytest.raises(FileNotFoundError, match="no config.json"):
         evaluate(config, progress=False)
+
+
+def test_a_domain_may_set_its_own_prompt_length(tiny_target_dir, tmp_path):
+    """``{path, prompt_tokens}``: the demo's long domain fills the context the others leave short."""
+    text = tmp_path / "long.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    config = EvalConfig.from_dict(
+        {
+            "target": str(tiny_target_dir),
+            "domains": {"short": str(text), "long": {"path": str(text), "prompt_tokens": 400}},
+            "prompt_tokens": 16,
+            "max_new_tokens": 8,
+            "num_prompts": 1,
+            "peers": False,
+            "output_dir": str(tmp_path / "out"),
+        }
+    )
+    evaluate(config, progress=False)
+    lengths = {r["domain"]: r["prompt_tokens"] for r in map(json.loads, (tmp_path / "out" / "records.jsonl").read_text().splitlines())}
+    assert lengths == {"short": 16, "long": 400}
+    too_long = replace(config, domains={"long": {"path": str(text), "prompt_tokens": 600}})
+    with pytest.raises(ValueError, match=r"domain 'long': prompt_tokens=600 \+ max_new_tokens=8 exceeds the target's context of 512"):
+        evaluate(EvalConfig.from_dict({k: getattr(too_long, k) for k in ("target", "domains", "max_new_tokens", "output_dir")}))
+    with pytest.raises(ValueError, match=r"key 'domains.long.prompt_tokens': expected int or None, got 'many'"):
+        EvalConfig.from_dict({"target": "t", "domains": {"long": {"path": "p", "prompt_tokens": "many"}}})
