@@ -8,6 +8,7 @@ exports as a plain ``save_pretrained`` directory that ``{type: draft_model, mode
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from draftsmith.proposers.base import InputError
+from draftsmith.proposers.base import InputError, check_real
 from draftsmith.proposers.draft_model import check_vocabulary, warn_if_bigger
 from draftsmith.proposers.models import context_limit, load_causal_lm
 
@@ -76,8 +77,8 @@ class DraftLMObjective:
     ):
         if lora.enabled and pretrained is None:
             raise InputError("lora.enabled needs draft.pretrained (a trained draft to adapt); a fresh draft is trained in full")
-        if temperature <= 0:
-            raise InputError(f"temperature must be > 0, got {temperature}")
+        if not 0.0 < check_real("draft.temperature", temperature) < math.inf:
+            raise InputError(f"draft.temperature must be a finite number > 0, got {temperature!r}")
         self.pretrained, self.init, self.lora, self.loss_name, self.temperature = pretrained, init, lora, loss, temperature
 
     def check(self, target: nn.Module, tokenizer) -> None:

@@ -19,6 +19,22 @@ def test_temperature_scales_logits():
     torch.testing.assert_close(probs, torch.softmax(logits / 0.5, -1))
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 6.2e-84, 1e-30, 1e-6])
+@pytest.mark.parametrize("sampling", [{}, {"top_k": 2}, {"top_p": 0.5}])
+def test_tiny_temperatures_tend_to_the_argmax_instead_of_overflowing(temperature, sampling):
+    logits = torch.tensor([[0.1, 3.0, -1.0, float("-inf")], [2.0, 2.0, 1.0, 0.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=temperature, **sampling))
+    assert torch.isfinite(probs).all()
+    # The limit of softmax(logits / T) as T -> 0: the argmax, ties shared.
+    expected = [[0.0, 1.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]]
+    if sampling.get("top_p") == 0.5:  # top-p keeps the first of two tied tokens: its mass reaches 0.5
+        expected[1] = [1.0, 0.0, 0.0, 0.0]
+    assert probs.tolist() == expected
+    # Negative control: dividing the raw logits overflows to inf and a NaN softmax at the tiniest ones.
+    naive = torch.softmax(logits / temperature, dim=-1)
+    assert torch.isnan(naive).any() == (temperature < 1e-30)
+
+
 def test_top_k_keeps_k_largest():
     probs = logits_to_probs(torch.tensor([1.0, 4.0, 3.0, 2.0]), SamplingParams(temperature=1.0, top_k=2))
     assert (probs[[0, 3]] == 0).all() and probs.sum().item() == pytest.approx(1.0)

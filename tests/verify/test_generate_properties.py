@@ -44,3 +44,12 @@ def test_generate_decodes_or_names_the_bad_argument(model):
             assert result.new_tokens == plain.generate(PROMPT, **kwargs).new_tokens
 
     check()
+
+
+def test_tiny_positive_temperatures_decode_like_greedy(model):
+    # softmax(logits / T) tends to the argmax as T -> 0; at T = 6e-84 or 5e-324 plain
+    # division overflowed to a NaN distribution and generate crashed.
+    greedy = SpeculativeDecoder(model).generate(PROMPT, max_new_tokens=8).new_tokens
+    decoder = SpeculativeDecoder(model, NgramProposer(min_n=1))
+    for temperature in (5e-324, 6.239321599771941e-84, 1e-30):
+        assert decoder.generate(PROMPT, max_new_tokens=8, temperature=temperature, seed=0).new_tokens == greedy
