@@ -91,6 +91,7 @@ class DraftModelProposer:
             model = load_draft_model(model, device=target.device if target is not None else None)
         check_full_attention(model, "draft")
         self.model = model.eval()
+        self.device = model.device  # read once: the property walks the parameters
         self.vocab_size = output_vocab_size(model)
         self.max_positions = context_limit(model)  # None: no limit stated
         if target is not None:
@@ -209,7 +210,7 @@ class DraftModelProposer:
 
         Returns float logits of the last ``last`` rows (0: all), ``[rows, vocab]``.
         """
-        device = self.model.device
+        device = self.device
         input_ids = torch.tensor([tokens], device=device)
         if self.lean is not None and len(tokens) <= LEAN_MAX_ROWS:
             start = len(self.cached_tokens)
@@ -241,7 +242,7 @@ class DraftModelProposer:
         """Feed ``nodes`` (whose ancestors are cached) in one forward; return their logits ``[len(nodes), vocab]``."""
         if self.tree_width == 1:  # a chain: the node continues the cached tokens
             return self._forward([tree.tokens[n] for n in nodes])
-        device = self.model.device
+        device = self.device
         input_ids = torch.tensor([[tree.tokens[n] for n in nodes]], device=device)
         committed = len(self.cached_tokens)  # the cache holds them, then the tree nodes fed so far
         mask = incremental_tree_mask(tree.parents, self._fed, nodes, committed, self.model.dtype).to(device)

@@ -21,6 +21,9 @@ from transformers.cache_utils import DynamicLayer
 PROBE_TOKENS = 6
 LEAN_MAX_ROWS = 16  # longer inputs (prompts) take the model's own forward and its causal kernel
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")  # the ones that take a 4D additive float mask as given
+# RoPE variants whose cos / sin depend on the position only (``dynamic`` and ``longrope``
+# rescale with the sequence length): their rotary embedding is looked up in a table.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class LeanForward:
@@ -36,6 +39,10 @@ class LeanForward:
         self.embed, self.rotary, self.norm, self.head = backbone.embed_tokens, backbone.rotary_emb, backbone.norm, model.lm_head
         self.layers = list(backbone.layers[: model.config.num_hidden_layers])
         self.dtype = model.dtype
+        # cos / sin of positions 0..n-1, computed by the model's own rotary module once and
+        # looked up per call (doubled when a position runs past them); None: call it every time.
+        self.rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.static_rotary = getattr(self.rotary, "rope_type", None) in STATIC_ROPE_TYPES
 
     def __call__(
         self, input_ids: torch.Tensor, cache: DynamicCache, position_ids: torch.Tensor, mask: torch.Tensor | None = None, last: int = 0
@@ -43,6 +50,8 @@ class LeanForward:
         """Feed ``input_ids`` ``[1, m]`` at ``position_ids`` ``[1, m]`` after the ``cache``'s positions; extend it.
 
         Args:
+            position_ids: each below ``past + m`` (true of a chain after the cache and of
+                a tree's depth-based positions).
             mask: a 4D additive mask ``[1, 1, m, past + m]``; None means causal (built here
                 when m > 1; a single token attends to everything cached).
             last: return the logits of the last ``last`` rows only (0: every row).
@@ -50,16 +59,27 @@ class LeanForward:
         Returns:
             logits ``[rows, vocab]`` in the model's dtype.
         """
-        rows = input_ids.shape[1]
+        rows, past = input_ids.shape[1], cache.get_seq_length()
         if mask is None and rows > 1:
-            mask = causal_mask(cache.get_seq_length(), rows, self.dtype, input_ids.device)
+            mask = causal_mask(past, rows, self.dtype, input_ids.device)
         hidden = self.embed(input_ids)
-        rotary = self.rotary(hidden, position_ids=position_ids)
+        rotary = self._rotary(hidden, position_ids, past + rows)
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True, position_embeddings=rotary)
         if last:
             hidden = hidden[:, -last:]
         return self.head(self.norm(hidden))[0]
+
+    def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary ``(cos, sin)`` of ``position_ids`` (all below ``bound``): table rows, or the module's own call."""
+        if not self.static_rotary:
+            return self.rotary(hidden, position_ids=position_ids)
+        if self.rotary_table is None or self.rotary_table[0].shape[0] < bound:
+            size = max(bound, 2 * self.rotary_table[0].shape[0] if self.rotary_table is not None else 256)
+            cos, sin = self.rotary(hidden, position_ids=torch.arange(size, device=hidden.device)[None])
+            self.rotary_table = (cos[0], sin[0])
+        index = position_ids[0]
+        return self.rotary_table[0].index_select(0, index)[None], self.rotary_table[1].index_select(0, index)[None]
 
     @classmethod
     @torch.inference_mode()

@@ -52,6 +52,7 @@ class Target:
     ):
         check_full_attention(model, "target")
         self.model = model
+        self.device = model.device  # read once: the property walks the parameters
         self.hidden_layers = tuple(hidden_layers)
         self.preallocate, self.lean = preallocate, lean
         self.vocab_size = output_vocab_size(model)
@@ -81,7 +82,7 @@ class Target:
         the distribution after draft node i.
         """
         past = self.cache_len
-        device = self.model.device
+        device = self.device
         input_ids = torch.cat([torch.tensor([root_token]), draft.token_ids]).to(device)[None]
         self._scored_past = past
         self._scored_chain = draft.is_chain()

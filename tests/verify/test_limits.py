@@ -89,13 +89,17 @@ def short_draft(family: str, make_llama):
 
 
 def record_positions(draft) -> list[int]:
-    """Every position id the draft's position embedding sees from now on (rotary for Llama, the learned table for GPT-2)."""
+    """Every position id the draft's position embedding sees from now on (the decoder layers' for Llama, the learned table for GPT-2).
+
+    Llama's rotary cos / sin may come from a table (``LeanForward``), so the position ids
+    are read where every forward hands them on: the first decoder layer.
+    """
     seen: list[int] = []
     if isinstance(draft, GPT2LMHeadModel):
         draft.transformer.wpe.register_forward_pre_hook(lambda module, args: seen.extend(args[0].flatten().tolist()))
     else:
         hook = lambda module, args, kwargs: seen.extend(kwargs["position_ids"].flatten().tolist())  # noqa: E731
-        draft.model.rotary_emb.register_forward_pre_hook(hook, with_kwargs=True)
+        draft.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
     return seen
 
 
