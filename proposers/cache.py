@@ -44,12 +44,14 @@ class PreallocatedLayer(DynamicLayer):
         self.capacity = max(int(capacity), 1)
         self.key_buffer: torch.Tensor | None = None
         self.value_buffer: torch.Tensor | None = None
+        self.length = 0  # filled positions; compiled code reads this, not the views (see update)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.key_buffer = self._allocate(key_states, self.capacity)
         self.value_buffer = self._allocate(value_states, self.capacity)
         self.keys, self.values = self.key_buffer[..., :0, :], self.value_buffer[..., :0, :]
+        self.length = 0
         self.is_initialized = True
 
     @staticmethod
@@ -61,15 +63,30 @@ class PreallocatedLayer(DynamicLayer):
         """Write ``[batch, heads, m, dim]`` after the filled prefix, in place; return the new prefix views."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self._own_prefix()
-        length, added = self.keys.shape[-2], key_states.shape[-2]
+        if torch.compiler.is_compiling():
+            # Compiled code reads the buffers and ``length`` only: the views as graph inputs
+            # (aliasing their buffers) make dynamo fail while building guards, and the
+            # data-pointer test of ``_own_prefix`` breaks the graph. Only draftsmith's own
+            # crop / compact touch the cache between compiled calls, and they keep ``length``.
+            length = self.length
+        else:
+            self._own_prefix()
+            length = self.keys.shape[-2]
+        added = key_states.shape[-2]
         if length + added > self.key_buffer.shape[-2]:
-            self._grow(length + added)
+            self._grow(length + added, length)
         self.key_buffer[..., length : length + added, :].copy_(key_states)
         self.value_buffer[..., length : length + added, :].copy_(value_states)
+        self.length = length + added
         self.keys = self.key_buffer[..., : length + added, :]
         self.values = self.value_buffer[..., : length + added, :]
         return self.keys, self.values
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` filled positions (a crop: the views shrink, nothing moves)."""
+        if self.is_initialized and self.keys.shape[-2] > length:
+            self.keys, self.values = self.keys[..., :length, :], self.values[..., :length, :]
+            self.length = length
 
     def compact(self, prefix_len: int, kept: list[int]) -> None:
         """Keep the first ``prefix_len`` positions, then the positions ``kept`` (ascending), moved down in place."""
@@ -82,10 +99,10 @@ class PreallocatedLayer(DynamicLayer):
             self.value_buffer[..., prefix_len:end, :] = self.value_buffer.index_select(-2, index)
         self.keys = self.key_buffer[..., : prefix_len + len(kept), :]
         self.values = self.value_buffer[..., : prefix_len + len(kept), :]
+        self.length = prefix_len + len(kept)
 
-    def _grow(self, needed: int) -> None:
+    def _grow(self, needed: int, length: int) -> None:
         capacity = max(needed, 2 * self.key_buffer.shape[-2])
-        length = self.keys.shape[-2]
         for name in ("key_buffer", "value_buffer"):
             old = getattr(self, name)
             new = self._allocate(old, capacity)
@@ -102,9 +119,11 @@ class PreallocatedLayer(DynamicLayer):
             self.key_buffer[..., : keys.shape[-2], :] = keys
             self.value_buffer[..., : values.shape[-2], :] = values
             self.keys, self.values = self.key_buffer[..., : keys.shape[-2], :], self.value_buffer[..., : values.shape[-2], :]
+        self.length = self.keys.shape[-2]
 
     def reset(self) -> None:
         self.key_buffer = self.value_buffer = None
+        self.length = 0
         super().reset()
 
 

@@ -22,7 +22,7 @@ from transformers import DynamicCache
 
 from .base import Draft, InputError, ProposeContext, TargetFeatures, TransformersPeer, VerifyResult, output_vocab_size
 from .cache import cache_probe_passes, fast_path_enabled, make_cache
-from .lean_forward import LEAN_MAX_ROWS, LeanForward
+from .lean_forward import LEAN_MAX_ROWS, LeanForward, compile_possible, forward_mode
 from .models import TOKENIZER_FILES, check_full_attention, context_limit, load_causal_lm, load_tokenizer
 from .tree import DraftTree, compact_cache, crop_cache, grow_dynamic_tree, incremental_tree_mask
 
@@ -55,6 +55,9 @@ class DraftModelProposer:
         preallocated_cache: keep the draft's KV cache in buffers written in place
             (``proposers.cache``) when a probe shows its logits unchanged; None: on unless
             the environment sets ``DRAFTSMITH_FAST_PATHS=0``.
+        compile: run the lean forward through ``torch.compile`` (off by default: the first
+            drafts compile for seconds; ``LeanForward.compiled``). Needs the lean forward
+            and the preallocated cache; without them it is ignored with a logged reason.
 
     The cache keeps the KV of the accepted draft tokens that were fed to draft (``observe``
     drops the rest), so the next step feeds only the target's recovered or bonus token.
@@ -85,6 +88,7 @@ class DraftModelProposer:
         target: nn.Module | None = None,
         lean_forward: bool | None = None,
         preallocated_cache: bool | None = None,
+        compile: bool = False,
     ):
         _check_settings(k, tree_width, max_nodes, dynamic, k_min, k_max, confidence_threshold)
         if isinstance(model, (str, Path)):
@@ -102,6 +106,8 @@ class DraftModelProposer:
         self.confidence_threshold = confidence_threshold
         self.lean = LeanForward.probe(self.model) if fast_path_enabled(lean_forward) else None
         self.preallocate = fast_path_enabled(preallocated_cache) and cache_probe_passes(self.model, "draft")
+        self.compiled = compile and compile_possible(self.lean, self.preallocate, "draft")
+        self.forward = self.lean.compiled() if self.compiled else self.lean
         self.depth = k  # the current draft depth; moves only when dynamic
         self.cache: DynamicCache | None = None
         self.cached_tokens: list[int] = []  # tokens whose KV the cache holds, in order (committed or a chain's guesses)
@@ -117,26 +123,32 @@ class DraftModelProposer:
     def cache_len(self) -> int:
         return self.cache.get_seq_length() if self.cache is not None else 0
 
-    @torch.inference_mode()
     def begin(self, prompt: list[int], features: TargetFeatures | None) -> None:
         """Prefill the draft cache with the prompt; reset the dynamic depth.
 
         The depth restarts at ``k`` so that a seeded request gives the same output
         whatever ran before it.
         """
+        with forward_mode(self.compiled):
+            self._begin(prompt)
+
+    def _begin(self, prompt: list[int]) -> None:
         self.cache = self._new_cache(len(prompt))
         self.cached_tokens = []
         self.depth, self._last_depth, self._pending = self.k, 0, None
         if prompt and self._room(len(prompt) + 1) >= 1:  # else no draft fits after the prompt: never feed it
             self._forward(list(prompt), last=1)
 
-    @torch.inference_mode()
     def propose(self, context: ProposeContext) -> Draft:
         """Catch the cache up with ``context.tokens`` and draft.
 
         The nodes fed to draft stay in the cache until ``observe`` keeps the accepted ones
         (a chain's already sit at their final positions; a tree's are compacted).
         """
+        with forward_mode(self.compiled):
+            return self._propose(context)
+
+    def _propose(self, context: ProposeContext) -> Draft:
         assert context.tokens, "propose() needs at least one committed token"
         depth = min(self.depth, context.max_depth, self._room(len(context.tokens)))
         if depth < 1:
@@ -171,10 +183,11 @@ class DraftModelProposer:
         if self._pending is not None:
             committed, tree_nodes = self._pending
             self._pending = None
-            if self.tree_width == 1:
-                self._crop(committed + result.num_accepted)
-            else:
-                self._keep_accepted(committed, [tree_nodes[i] for i in result.accepted_nodes], result.accepted_tokens)
+            with forward_mode(self.compiled):  # the cache's tensors are written in the mode they were made in
+                if self.tree_width == 1:
+                    self._crop(committed + result.num_accepted)
+                else:
+                    self._keep_accepted(committed, [tree_nodes[i] for i in result.accepted_nodes], result.accepted_tokens)
         drafted, self._last_depth = self._last_depth, 0
         if not self.dynamic or drafted == 0:
             return
@@ -212,10 +225,12 @@ class DraftModelProposer:
         """
         device = self.device
         input_ids = torch.tensor([tokens], device=device)
-        if self.lean is not None and len(tokens) <= LEAN_MAX_ROWS:
+        if self.forward is not None and len(tokens) <= LEAN_MAX_ROWS:
             start = len(self.cached_tokens)
             positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
-            logits = self.lean(input_ids, self.cache, positions, last=last)
+            # an empty cache's buffers are allocated by its first write: compiled graphs run on allocated ones
+            forward = self.forward if start else self.lean
+            logits = forward(input_ids, self.cache, positions, last=last)
         else:
             logits = self.model(input_ids, cache=self.cache, use_cache=True, logits_to_keep=last).logits[0]
         self.cached_tokens.extend(tokens)
@@ -248,8 +263,8 @@ class DraftModelProposer:
         mask = incremental_tree_mask(tree.parents, self._fed, nodes, committed, self.model.dtype).to(device)
         position_ids = torch.tensor([[committed - 1 + tree.depths[n] for n in nodes]], device=device)
         self._fed += nodes
-        if self.lean is not None:
-            logits = self.lean(input_ids, self.cache, position_ids, mask)
+        if self.forward is not None:
+            logits = self.forward(input_ids, self.cache, position_ids, mask)
         else:
             logits = self.model(input_ids, cache=self.cache, use_cache=True, attention_mask=mask, position_ids=position_ids).logits[0]
         return logits.float().cpu()

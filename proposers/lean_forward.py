@@ -13,11 +13,17 @@ lean path is used only when it gives the wrapper's logits; other models keep the
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import types
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+logger = logging.getLogger(__name__)
 PROBE_TOKENS = 6
 LEAN_MAX_ROWS = 16  # longer inputs (prompts) take the model's own forward and its causal kernel
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")  # the ones that take a 4D additive float mask as given
@@ -60,26 +66,74 @@ class LeanForward:
             logits ``[rows, vocab]`` in the model's dtype.
         """
         rows, past = input_ids.shape[1], cache.get_seq_length()
-        if mask is None and rows > 1:
-            mask = causal_mask(past, rows, self.dtype, input_ids.device)
+        return self._layers(input_ids, cache, position_ids, mask, last, self._rotary(position_ids, past + rows))
+
+    def _layers(self, input_ids, cache, position_ids, mask, last, rotary) -> torch.Tensor:
+        """embed -> layers -> norm -> head, given the rotary ``(cos, sin)`` of ``position_ids``: what ``compiled`` compiles."""
+        if mask is None and input_ids.shape[1] > 1:
+            mask = causal_mask(cache.get_seq_length(), input_ids.shape[1], self.dtype, input_ids.device)
         hidden = self.embed(input_ids)
-        rotary = self._rotary(hidden, position_ids, past + rows)
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True, position_embeddings=rotary)
         if last:
             hidden = hidden[:, -last:]
         return self.head(self.norm(hidden))[0]
 
-    def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary ``(cos, sin)`` of ``position_ids`` (all below ``bound``): table rows, or the module's own call."""
+    def _rotary(self, position_ids: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary ``(cos, sin)`` ``[1, m, dim]`` of ``position_ids`` (all below ``bound``): table rows, or the module's own call."""
+        like = self.head.weight  # the module reads only its device and dtype
         if not self.static_rotary:
-            return self.rotary(hidden, position_ids=position_ids)
+            return self.rotary(like, position_ids=position_ids)
         if self.rotary_table is None or self.rotary_table[0].shape[0] < bound:
             size = max(bound, 2 * self.rotary_table[0].shape[0] if self.rotary_table is not None else 256)
-            cos, sin = self.rotary(hidden, position_ids=torch.arange(size, device=hidden.device)[None])
+            cos, sin = self.rotary(like, position_ids=torch.arange(size, device=like.device)[None])
             self.rotary_table = (cos[0], sin[0])
         index = position_ids[0]
         return self.rotary_table[0].index_select(0, index)[None], self.rotary_table[1].index_select(0, index)[None]
+
+    def compiled(self) -> Callable[..., torch.Tensor]:
+        """This forward with its layers through ``torch.compile`` (inductor, dynamic shapes): one graph per input kind.
+
+        Run it under ``forward_mode(compiled=True)``: inductor cannot compile dynamic shapes
+        of inference-mode tensors. The rotary lookup stays outside the graph, so the table
+        (and its growth) never enters a guard. The first calls of each kind (one token,
+        several, a tree mask) compile, seconds each; measured on a CPU core it then halves
+        the demo target's step and cuts a third off the demo draft's
+        (``benchmarks/bench_compile.py``).
+        """
+        graphs: dict[tuple[bool, bool], Callable] = {}
+
+        def forward(input_ids, cache, position_ids, mask=None, last=0):
+            rows = input_ids.shape[1]
+            if mask is None and rows > 1:  # built here, so that every several-row call is one kind
+                mask = causal_mask(cache.get_seq_length(), rows, self.dtype, input_ids.device)
+            kind = (rows == 1, mask is None)
+            if kind not in graphs:
+                graphs[kind] = self._compile_copy()
+            rotary = self._rotary(position_ids, cache.get_seq_length() + rows)
+            try:
+                logits = graphs[kind](input_ids, cache, position_ids, mask, 0, rotary)  # every row: one graph whatever ``last``
+            except (AssertionError, torch._dynamo.exc.TorchDynamoException) as error:
+                # Raised while compiling, before the graph ran: nothing was written yet.
+                logger.warning("compiling the lean forward (%s rows, mask: %s) failed, it runs eagerly: %s", *_describe(kind), error)
+                graphs[kind] = self._layers
+                logits = self._layers(input_ids, cache, position_ids, mask, 0, rotary)
+            return logits[-last:] if last else logits
+
+        return forward
+
+    def _compile_copy(self) -> Callable:
+        """``_layers`` compiled from its own copy of the code.
+
+        Dynamo keeps its graphs per code object and recompiles when a call breaks a guard
+        (a draft's call after a target's, one row after several, a mask after none); in
+        torch 2.13 such recompiles of these forwards fail now and then while building
+        guards. So every model and input kind (one row or several, with or without a
+        mask) gets a code object of its own, compiled once, with dynamic lengths.
+        """
+        function = LeanForward._layers
+        own = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__, function.__defaults__)
+        return torch.compile(types.MethodType(own, self), dynamic=True)
 
     @classmethod
     @torch.inference_mode()
@@ -113,6 +167,32 @@ class LeanForward:
             atol = 1e-4 if model.dtype == torch.float32 else 3e-2
         scale = max(1.0, float(expected.abs().max()))
         return lean if bool(((got - expected[2:]).abs() <= atol * scale).all()) else None
+
+
+def _describe(kind: tuple[bool, bool]) -> tuple[str, str]:
+    return ("1" if kind[0] else "several", "none" if kind[1] else "yes")
+
+
+def compile_possible(lean: LeanForward | None, preallocated: bool, role: str) -> bool:
+    """Whether a ``compile`` request can be honoured: it compiles the lean forward over a preallocated cache; logs why not."""
+    if lean is None or not preallocated:
+        missing = "lean forward" if lean is None else "preallocated cache"
+        logger.warning(
+            "%s: compile ignored: it compiles the lean forward over a preallocated cache; the %s is off or failed its probe", role, missing
+        )
+        return False
+    return True
+
+
+def forward_mode(compiled: bool) -> contextlib.AbstractContextManager:
+    """The autograd mode to decode in: inference mode, or plain no-grad for compiled forwards (see ``LeanForward.compiled``)."""
+    return _no_grad_outside_inference_mode() if compiled else torch.inference_mode()
+
+
+@contextlib.contextmanager
+def _no_grad_outside_inference_mode():
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 def causal_mask(past: int, rows: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:

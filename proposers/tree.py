@@ -389,7 +389,9 @@ def _budget_is_settled(tree: DraftTree, leaves: list[int], max_nodes: int) -> bo
 def crop_cache(cache, length: int) -> None:
     """Keep the first ``length`` positions of every layer of a ``transformers.DynamicCache``."""
     for layer in cache.layers:
-        if layer.keys is not None and layer.keys.shape[-2] > length:
+        if hasattr(layer, "truncate"):  # a preallocated layer keeps its own length
+            layer.truncate(length)
+        elif layer.keys is not None and layer.keys.shape[-2] > length:
             layer.keys = layer.keys[..., :length, :]
             layer.values = layer.values[..., :length, :]
 

@@ -19,7 +19,7 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked slow are skipped unless --slow is given (the README's test command and CI give it)."""
     if config.getoption("--slow"):
         return
-    skip = pytest.mark.skip(reason="the full statistical grid: run with --slow")
+    skip = pytest.mark.skip(reason="slow (the full statistical grid, compiled forwards): run with --slow")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)

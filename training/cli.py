@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    gen.add_argument("--compile", action="store_true", help="compile the target's forward (torch.compile; pays on long outputs only)")
     gen.set_defaults(run=run_generate)
 
     ev = commands.add_parser("eval", help="per-domain tau / speedup of proposers vs plain decoding (JSON, table, plots)")
@@ -73,7 +74,7 @@ def run_generate(args) -> int:
     model, tokenizer = load_target(args.target)
     proposer = load_proposer(args.proposer, target=model) if args.proposer else None
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
-    result = SpeculativeDecoder(model, proposer).generate(
+    result = SpeculativeDecoder(model, proposer, compile_forward=args.compile).generate(
         input_ids,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

@@ -25,7 +25,7 @@ from draftsmith.proposers.base import (
     output_vocab_size,
 )
 from draftsmith.proposers.cache import cache_probe_passes, fast_path_enabled
-from draftsmith.proposers.lean_forward import LeanForward
+from draftsmith.proposers.lean_forward import LeanForward, compile_possible, forward_mode
 from draftsmith.proposers.models import check_full_attention, context_limit
 from draftsmith.proposers.tree import node_depths, prune_depth, validate_draft
 
@@ -83,6 +83,10 @@ class SpeculativeDecoder:
             sets ``DRAFTSMITH_FAST_PATHS=0``.
         lean_forward: score drafts through the model's own submodules (``proposers.lean_forward``)
             when a probe shows that gives its forward's logits; None as above.
+        compile_forward: run that lean forward through ``torch.compile`` (off by default:
+            each new input kind compiles for seconds, which only a long run wins back;
+            ``benchmarks/RESULTS.md``). Needs the lean forward and the preallocated cache;
+            without them it is ignored with a logged reason.
     """
 
     def __init__(
@@ -91,11 +95,14 @@ class SpeculativeDecoder:
         proposer: Proposer | None = None,
         preallocated_cache: bool | None = None,
         lean_forward: bool | None = None,
+        compile_forward: bool = False,
     ):
         check_full_attention(model, "target")
         self.model = model.eval()
         self.preallocate = fast_path_enabled(preallocated_cache) and cache_probe_passes(self.model, "target")
         self.lean = LeanForward.probe(self.model) if fast_path_enabled(lean_forward) else None
+        self.compiled = compile_forward and compile_possible(self.lean, self.preallocate, "target")
+        self.forward = self.lean.compiled() if self.compiled else self.lean
         self.proposer = proposer
         self.vocab_size = output_vocab_size(model)
         self.max_positions = context_limit(model)
@@ -103,7 +110,6 @@ class SpeculativeDecoder:
         if proposer_vocab is not None and proposer_vocab != self.vocab_size:
             raise InputError(f"proposer vocabulary size {proposer_vocab} differs from the target's {self.vocab_size}")
 
-    @torch.inference_mode()
     def generate(
         self,
         input_ids: torch.Tensor,
@@ -130,11 +136,15 @@ class SpeculativeDecoder:
             eos_token_id: None, an id, or several (a list / tuple, or a 0-d / 1-D integer tensor).
         """
         request = self.check_request(input_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id)
+        with forward_mode(self.compiled):
+            return self._generate(request)
+
+    def _generate(self, request: Request) -> DecodeResult:
         input_ids, prompt, max_new_tokens = request.input_ids, request.prompt, request.max_new_tokens
         sampling, eos = request.sampling, request.eos
         generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
         proposer = self.proposer
-        target = Target(self.model, proposer.hidden_layers if proposer is not None else (), self.preallocate, self.lean)
+        target = Target(self.model, proposer.hidden_layers if proposer is not None else (), self.preallocate, self.forward)
         stats = DecodeStats()
         start = time.perf_counter()
 

@@ -8,6 +8,7 @@ so the root's logits, which verify the draft's first level, come from the same f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,10 +46,17 @@ class Target:
             layer cannot undo).
         hidden_layers: indices into the model's ``output_hidden_states`` tuple to return
             (0 = embeddings, i = output of layer i, -1 = the final normed state).
+        preallocate: keep the cache in ``proposers.cache`` buffers.
+        lean: the model's lean forward (``LeanForward``, or its ``compiled()`` form) for
+            scoring; None: the model's own forward.
     """
 
     def __init__(
-        self, model: PreTrainedModel, hidden_layers: tuple[int, ...] = (), preallocate: bool = False, lean: LeanForward | None = None
+        self,
+        model: PreTrainedModel,
+        hidden_layers: tuple[int, ...] = (),
+        preallocate: bool = False,
+        lean: LeanForward | Callable[..., torch.Tensor] | None = None,
     ):
         check_full_attention(model, "target")
         self.model = model

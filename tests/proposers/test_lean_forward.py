@@ -32,11 +32,9 @@ def test_lean_steps_match_the_model_forward(model):
 
 
 @pytest.mark.parametrize("rope", [None, {"rope_type": "linear", "factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0}])
-def test_rotary_table_rows_equal_the_rotary_module(rope):
+def test_rotary_table_rows_equal_the_rotary_module(rope, make_llama):
     """Table rows (grown past the first 256 positions, in any order) equal the module's own cos / sin; dynamic RoPE keeps the module."""
-    from conftest import tiny_llama
-
-    model = tiny_llama(max_positions=64)
+    model = make_llama(max_positions=64)
     if rope is not None:
         model.config.rope_parameters = {**model.config.rope_parameters, **rope}
         model.model.rotary_emb = type(model.model.rotary_emb)(model.config)
@@ -45,7 +43,7 @@ def test_rotary_table_rows_equal_the_rotary_module(rope):
     hidden = torch.zeros(1, 3, model.config.hidden_size)
     for positions in ([[5, 0, 17]], [[300, 299, 2]], [[1023, 40, 511]]):
         position_ids = torch.tensor(positions)
-        got = lean._rotary(hidden, position_ids, max(positions[0]) + 1)
+        got = lean._rotary(position_ids, max(positions[0]) + 1)
         expected = model.model.rotary_emb(hidden, position_ids=position_ids)
         for mine, ref in zip(got, expected, strict=True):
             assert torch.equal(mine, ref)
@@ -53,9 +51,9 @@ def test_rotary_table_rows_equal_the_rotary_module(rope):
         assert lean.rotary_table[0].shape[0] >= 1024  # grown by doubling as positions ran past it
     else:  # negative control: a table of dynamic RoPE (rescaled for the table's length) is wrong for short inputs
         lean.static_rotary = True
-        lean._rotary(hidden, torch.tensor([[1023, 0, 1]]), 1024)
+        lean._rotary(torch.tensor([[1023, 0, 1]]), 1024)
         position_ids = torch.tensor([[5, 0, 17]])
-        got = lean._rotary(hidden, position_ids, 18)
+        got = lean._rotary(position_ids, 18)
         assert not torch.equal(got[0], model.model.rotary_emb(hidden, position_ids=position_ids)[0])
 
 

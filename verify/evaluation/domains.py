@@ -58,7 +58,8 @@ def load_domain(
     for source, text, keep_end in texts:
         # a rendered chat keeps its end, where the assistant turn opens
         text = text[-budget:] if keep_end else text[:budget]
-        ids = tokenizer(text, add_special_tokens=False).input_ids
+        # verbose=False: the text is longer than the model's context on purpose (cut below)
+        ids = tokenizer(text, add_special_tokens=False, verbose=False).input_ids
         if tokenizer.bos_token_id is not None:
             ids = [tokenizer.bos_token_id] + ids
         if len(ids) < 2:

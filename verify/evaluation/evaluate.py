@@ -62,6 +62,10 @@ class EvalConfig:
         temperature, top_k, top_p, seed: sampling (temperature 0 = greedy).
         output_dir: where the results go.
         threads: torch intra-op threads (None keeps torch's default).
+        compile: compile the target's forward for every method of ours
+            (``SpeculativeDecoder(compile_forward=True)``; a draft model compiles its own
+            with ``compile: true`` in its proposer config). The first requests of each
+            method pay the compilation.
     """
 
     target: str
@@ -77,6 +81,7 @@ class EvalConfig:
     seed: int = 0
     output_dir: str = "outputs/eval"
     threads: int | None = None
+    compile: bool = False
 
     def __post_init__(self):
         if not self.domains:
@@ -175,11 +180,11 @@ def build_methods(config: EvalConfig, model, tokenizer) -> dict[str, Callable]:
     Plain decoding first, then every proposer, then the transformers peers they declare
     (with ``config.peers``); a proposer without ``transformers_peer`` has none.
     """
-    methods = {PLAIN: _ours(SpeculativeDecoder(model), PLAIN, config, tokenizer)}
+    methods = {PLAIN: _ours(SpeculativeDecoder(model, compile_forward=config.compile), PLAIN, config, tokenizer)}
     peers: dict[str, TransformersPeer] = {}
     for name, proposer_config in config.proposers.items():
         proposer = load_proposer(proposer_config, target=model)
-        methods[name] = _ours(SpeculativeDecoder(model, proposer), name, config, tokenizer)
+        methods[name] = _ours(SpeculativeDecoder(model, proposer, compile_forward=config.compile), name, config, tokenizer)
         declare = getattr(proposer, "transformers_peer", None)
         peer = declare() if config.peers and declare is not None else None
         if peer is not None:
