@@ -1,14 +1,18 @@
 """Forward cost against context, our plain loop against transformers, and each method against its bound.
 
-    python benchmarks/bench_context.py [--target recipes/demo_target] [--threads 1] [--json out.json]
+    python benchmarks/bench_context.py [--target recipes/demo_target] [--threads 1] [--parts forward,plain,bound]
+        [--compile] [--json out.json]
 
 1. T(k): one target step scoring k tokens after a context of C tokens (C = 128 / 512 / 1024 /
    2048), through our ``Target`` with the fast paths off (transformers' ``DynamicCache`` and
    the model's forward: "before") and on (preallocated cache and lean forward: "after").
-   Median of repeated steps, the cache cropped back after each.
+   Median of repeated steps, the cache cropped back after each, every path, context and
+   width alternating call by call (the machine's speed drifts by 10-20% within seconds). At 2048 the demo target runs past its 1024 trained
+   positions: its logits mean nothing there, its cost is what is measured.
 2. Plain decoding: our loop (fast paths on) against transformers' greedy ``generate``, on
    held-out prompts of 128 and 960 tokens (960 + 64 new tokens fill the demo target's 1024
-   positions), interleaved prompt by prompt; outputs checked token-identical.
+   positions), interleaved prompt by prompt; outputs checked token-identical. Whole
+   requests, and decode only (the shared prefill left out).
 3. Bound: for each proposer of the demo (on 128-token held-out prompts), the speedup it
    could reach if a step cost only its target forward and its drafting,
    tau x T(1) / (T(nodes per step) + draft time per step), with T measured in the same
@@ -36,34 +40,46 @@ from draftsmith.verify.target import Target
 
 CONTEXTS = (128, 512, 1024, 2048)
 WIDTHS = (1, 2, 4, 8, 16)
+BOUND_WIDTHS = 17  # T(k) for k = 1..17 (root + up to 16 nodes: the n-gram tree's budget)
+BOUND_REPEATS = 5  # per width, after each prompt
 
 
 @torch.inference_mode()
-def step_cost(target: Target, context: int, width: int, repeats: int, vocab: int) -> float:
-    """Median seconds of one ``score`` of ``width`` tokens (a chain: root + width - 1 nodes) after ``context`` tokens."""
-    g = torch.Generator().manual_seed(context)
-    target.prefill(torch.randint(3, vocab, (1, context - 1), generator=g), capacity=context + 64)
-    draft = Draft.chain(torch.randint(3, vocab, (width - 1,), generator=g).tolist())
-    times = []
+def step_costs(cases: dict[str, tuple[Target, int]], widths, repeats: int, vocab: int) -> dict[str, dict[int, list[float]]]:
+    """Seconds of ``score`` calls of each width (a chain: root + width - 1 nodes), per case ``(target, context)``.
+
+    Each case's target is prefilled with ``context - 1`` tokens (the same prompt for equal
+    contexts); then, ``repeats`` times, every case scores every width in turn, its cache
+    cropped back after each call. The machine's speed drifts by 10-20% within seconds, so
+    the cases alternate call by call and see the same drift. Returns every sample.
+    """
+    drafts = {w: Draft.chain(torch.arange(3, 3 + w - 1).tolist()) for w in widths}
+    for target, context in cases.values():
+        prompt = torch.randint(3, vocab, (1, context - 1), generator=torch.Generator().manual_seed(context))
+        target.prefill(prompt, capacity=context + max(widths) + 64)
+    times: dict[str, dict[int, list[float]]] = {name: {w: [] for w in widths} for name in cases}
     for _ in range(repeats):
-        start = time.perf_counter()
-        target.score(5, draft)
-        times.append(time.perf_counter() - start)
-        crop_cache(target.cache, context - 1)  # back to the context
-    return statistics.median(times)
+        for name, (target, context) in cases.items():
+            for w in widths:
+                start = time.perf_counter()
+                target.score(5, drafts[w])
+                times[name][w].append(time.perf_counter() - start)
+                crop_cache(target.cache, context - 1)  # back to the context
+    return times
 
 
 def forward_costs(model, repeats: int) -> dict:
-    vocab = model.config.vocab_size
-    paths = {
-        "before": Target(model),
-        "after": Target(model, preallocate=True, lean=LeanForward.probe(model)),
-    }
-    costs = {name: {} for name in paths}
+    """Median T(k) per path and context; before = transformers' cache and forward, after = the fast paths."""
+    lean = LeanForward.probe(model)
+    cases = {}
     for context in CONTEXTS:
-        for width in WIDTHS:
-            for name, target in paths.items():  # interleaved: load drift hits both
-                costs[name][f"{context}x{width}"] = step_cost(target, context, width, repeats, vocab)
+        cases[f"before {context}"] = (Target(model), context)
+        cases[f"after {context}"] = (Target(model, preallocate=True, lean=lean), context)
+    costs: dict[str, dict[str, float]] = {"before": {}, "after": {}}
+    for name, by_width in step_costs(cases, WIDTHS, repeats, model.config.vocab_size).items():
+        path, context = name.split()
+        for width, samples in by_width.items():
+            costs[path][f"{context}x{width}"] = statistics.median(samples)
     return costs
 
 
@@ -84,14 +100,30 @@ def ours(decoder: SpeculativeDecoder, new_tokens: int):
 
 
 def plain_against_transformers(model, tokenizer, target_dir: Path, args) -> dict:
+    """tokens/s of our plain loop and of ``generate``, whole requests and decode only, at 128 and ``1024 - new_tokens`` prompt tokens.
+
+    Decode only leaves the prefill out: each side also runs the same prompts for one new
+    token (prefill + first token, interleaved with the rest), and the decode rate is
+    ``(n - 1) / (t(n) - t(1))`` from the median times. The prefill is the same model forward
+    on both sides, and at 960 prompt tokens it is about a quarter of a 64-token request.
+    """
     out = {}
-    for length in (128, 1024 - args.new_tokens):
+    n = args.new_tokens
+    for length in (128, 1024 - n):
         prompts = heldout_prompts(tokenizer, target_dir, length, args.prompts)
-        runners = {"hf_generate": hf_greedy(model, args.new_tokens), "ours_plain": ours(SpeculativeDecoder(model), args.new_tokens)}
+        runners = {
+            "hf_generate": hf_greedy(model, n),
+            "ours_plain": ours(SpeculativeDecoder(model, compile_forward=args.compile), n),
+            "hf_generate_first": hf_greedy(model, 1),
+            "ours_plain_first": ours(SpeculativeDecoder(model, compile_forward=args.compile), 1),
+        }
         speeds, identical = run_interleaved(runners, prompts)
+        decode = {name: (n - 1) / (n / speeds[name] - 1 / speeds[f"{name}_first"]) for name in ("hf_generate", "ours_plain")}
         out[str(length)] = {
             "tokens_per_s": speeds,
             "ratio": speeds["ours_plain"] / speeds["hf_generate"],
+            "decode_tokens_per_s": decode,
+            "decode_ratio": decode["ours_plain"] / decode["hf_generate"],
             "identical": f"{identical['ours_plain']}/{len(prompts)}",
         }
     return out
@@ -99,6 +131,11 @@ def plain_against_transformers(model, tokenizer, target_dir: Path, args) -> dict
 
 @torch.inference_mode()
 def bounds(model, tokenizer, target_dir: Path, args) -> dict:
+    """Each proposer's measured speedup against tau x T(1) / (T(nodes per step + 1) + draft time per step).
+
+    After each prompt's decodes, T(k) is sampled for every k up to ``BOUND_WIDTHS`` at the
+    prompts' context, so the forward costs come from the same minutes as the decodes.
+    """
     prompts = heldout_prompts(tokenizer, target_dir, 128, args.prompts)
     configs = {"ngram": {"type": "ngram"}, "ngram_tree": {"type": "ngram", "min_n": 1, "branches": 4, "max_nodes": 16}}
     configs.update(trained_drafts(target_dir))
@@ -106,15 +143,19 @@ def bounds(model, tokenizer, target_dir: Path, args) -> dict:
     decoders.update({name: SpeculativeDecoder(model, load_proposer(c, target=model)) for name, c in configs.items()})
     for decoder in decoders.values():  # warm-up
         decoder.generate(prompts[0], max_new_tokens=8)
+    context = 128 + args.new_tokens // 2  # the middle of a request
+    probe = {"after": (Target(model, preallocate=True, lean=LeanForward.probe(model)), context)}
+    widths = range(1, BOUND_WIDTHS + 1)
+    samples: dict[int, list[float]] = {w: [] for w in widths}
     runs = {name: [] for name in decoders}
     for ids in prompts:
         for name, decoder in decoders.items():
             runs[name].append(decoder.generate(ids, max_new_tokens=args.new_tokens).stats)
-    probe = Target(model, preallocate=True, lean=LeanForward.probe(model))
-    vocab = model.config.vocab_size
-    t1 = step_cost(probe, 160, 1, 30, vocab)
+        for w, times in step_costs(probe, widths, BOUND_REPEATS, model.config.vocab_size)["after"].items():
+            samples[w] += times
+    cost = {w: statistics.median(times) for w, times in samples.items()}
     plain_speed = [s.tokens_per_second for s in runs["plain"]]
-    out = {"T(1)_ms": 1000 * t1}
+    out = {"T(1)_ms": 1000 * cost[1], "context": context}
     for name, stats in runs.items():
         if name == "plain":
             continue
@@ -122,8 +163,8 @@ def bounds(model, tokenizer, target_dir: Path, args) -> dict:
         nodes = sum(s.drafted_tokens for s in stats) / steps
         draft_per_step = sum(s.draft_time for s in stats) / steps
         tau = sum(s.new_tokens for s in stats) / sum(s.target_forwards for s in stats)
-        t_nodes = step_cost(probe, 160, max(1, round(nodes + 1)), 30, vocab)
-        bound = tau * t1 / (t_nodes + draft_per_step)
+        t_nodes = cost[min(BOUND_WIDTHS, max(1, round(nodes + 1)))]
+        bound = tau * cost[1] / (t_nodes + draft_per_step)
         measured = statistics.median(s.tokens_per_second / p for s, p in zip(stats, plain_speed, strict=True))
         out[name] = {
             "tau": tau,
@@ -143,15 +184,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=40, help="T(k) samples per context, width and path")
     parser.add_argument("--parts", default="forward,plain,bound")
+    parser.add_argument("--compile", action="store_true", help="part 2: our plain loop with the compiled target forward")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target_dir = Path(args.target)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    result = {"threads": args.threads}
+    result = {"threads": args.threads, "compile": args.compile}
     parts = args.parts.split(",")
     if "forward" in parts:
         costs = forward_costs(model, args.repeats)
@@ -166,7 +208,10 @@ def main() -> None:
     if "plain" in parts:
         result["plain_vs_generate"] = plain_against_transformers(model, tokenizer, target_dir, args)
         for length, row in result["plain_vs_generate"].items():
-            print(f"plain loop / generate at {length} prompt tokens: {row['ratio']:.2f}x ({row['identical']} identical)")
+            print(
+                f"plain loop / generate at {length} prompt tokens: {row['ratio']:.2f}x whole requests, "
+                f"{row['decode_ratio']:.2f}x decode only ({row['identical']} identical)"
+            )
     if "bound" in parts:
         result["bounds"] = bounds(model, tokenizer, target_dir, args)
         for name, row in result["bounds"].items():

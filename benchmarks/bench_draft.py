@@ -14,7 +14,7 @@ draft's confidence drops under an adaptive threshold starting at 0.4); ours draf
     python benchmarks/bench_draft.py [--target recipes/demo_target] [--draft recipes/demo_draft]
         [--domains outputs/demo/domains/code.jsonl outputs/demo/domains/prose.jsonl]
         [--prompts 6] [--prompt-tokens 128] [--new-tokens 96] [--k 6] [--confidence-threshold 0.4]
-        [--threads 1] [--json FILE]
+        [--threads 1] [--compile] [--json FILE]
 
 The domain files are written by ``draftsmith demo``; when missing they are built from the
 target's held-out files (``training.demo.build_domains``).
@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--confidence-threshold", type=float, default=0.4, help="ours: stop drafting after a less likely token (0 = never)")
     parser.add_argument("--hf-k", type=int, default=None, help="transformers' num_assistant_tokens (default: its own, 20)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compile", action="store_true", help="ours with compiled target and draft forwards (b, d; e: the target only)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -74,10 +75,10 @@ def main() -> None:
         draft.generation_config.num_assistant_tokens = args.hf_k
     prompts = load_prompts(args, tokenizer, target.config.max_position_embeddings)
     n = args.new_tokens
-    plain = SpeculativeDecoder(target)
+    plain = SpeculativeDecoder(target, compile_forward=args.compile)
     proposer = {"type": "draft_model", "model": args.draft, "k": args.k, "confidence_threshold": args.confidence_threshold or None}
-    ours = SpeculativeDecoder(target, load_proposer(proposer, target=target))
-    wrapper = SpeculativeDecoder(target, load_proposer({**proposer, "lean_forward": False}, target=target))
+    ours = SpeculativeDecoder(target, load_proposer({**proposer, "compile": args.compile}, target=target), compile_forward=args.compile)
+    wrapper = SpeculativeDecoder(target, load_proposer({**proposer, "lean_forward": False}, target=target), compile_forward=args.compile)
 
     hf = hf_greedy(target, n)
 
@@ -97,6 +98,7 @@ def main() -> None:
         "draft": args.draft,
         "domains": args.domains,
         "threads": args.threads,
+        "compile": args.compile,
         "prompts": len(prompts),
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": n,
