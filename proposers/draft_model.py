@@ -22,7 +22,7 @@ from transformers import DynamicCache
 
 from .base import Draft, InputError, ProposeContext, TargetFeatures, TransformersPeer, VerifyResult, output_vocab_size
 from .cache import cache_probe_passes, fast_path_enabled, make_cache
-from .lean_forward import LEAN_MAX_ROWS, LeanForward, compile_possible, forward_mode
+from .lean_forward import LEAN_MAX_ROWS, LeanForward, compile_possible, forward_mode, shared_compiled
 from .models import TOKENIZER_FILES, check_full_attention, context_limit, load_causal_lm, load_tokenizer
 from .tree import DraftTree, compact_cache, crop_cache, grow_dynamic_tree, incremental_tree_mask
 
@@ -107,7 +107,7 @@ class DraftModelProposer:
         self.lean = LeanForward.probe(self.model) if fast_path_enabled(lean_forward) else None
         self.preallocate = fast_path_enabled(preallocated_cache) and cache_probe_passes(self.model, "draft")
         self.compiled = compile and compile_possible(self.lean, self.preallocate, "draft")
-        self.forward = self.lean.compiled() if self.compiled else self.lean
+        self.forward = shared_compiled(self.model, self.lean) if self.compiled else self.lean
         self.depth = k  # the current draft depth; moves only when dynamic
         self.cache: DynamicCache | None = None
         self.cached_tokens: list[int] = []  # tokens whose KV the cache holds, in order (committed or a chain's guesses)

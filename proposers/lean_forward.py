@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import types
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -167,6 +168,21 @@ class LeanForward:
             atol = 1e-4 if model.dtype == torch.float32 else 3e-2
         scale = max(1.0, float(expected.abs().max()))
         return lean if bool(((got - expected[2:]).abs() <= atol * scale).all()) else None
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its compiled lean forward
+
+
+def shared_compiled(model: nn.Module, lean: LeanForward) -> Callable[..., torch.Tensor]:
+    """``lean.compiled()`` once per model: every decoder and proposer of a model shares its graphs, so each kind compiles once per process.
+
+    The compiled forward holds the model's submodules, never the model itself, so the
+    entry goes when the model does.
+    """
+    forward = _COMPILED.get(model)
+    if forward is None:
+        forward = _COMPILED[model] = lean.compiled()
+    return forward
 
 
 def _describe(kind: tuple[bool, bool]) -> tuple[str, str]:

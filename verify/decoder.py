@@ -25,7 +25,7 @@ from draftsmith.proposers.base import (
     output_vocab_size,
 )
 from draftsmith.proposers.cache import cache_probe_passes, fast_path_enabled
-from draftsmith.proposers.lean_forward import LeanForward, compile_possible, forward_mode
+from draftsmith.proposers.lean_forward import LeanForward, compile_possible, forward_mode, shared_compiled
 from draftsmith.proposers.models import check_full_attention, context_limit
 from draftsmith.proposers.tree import node_depths, prune_depth, validate_draft
 
@@ -102,7 +102,7 @@ class SpeculativeDecoder:
         self.preallocate = fast_path_enabled(preallocated_cache) and cache_probe_passes(self.model, "target")
         self.lean = LeanForward.probe(self.model) if fast_path_enabled(lean_forward) else None
         self.compiled = compile_forward and compile_possible(self.lean, self.preallocate, "target")
-        self.forward = self.lean.compiled() if self.compiled else self.lean
+        self.forward = shared_compiled(self.model, self.lean) if self.compiled else self.lean
         self.proposer = proposer
         self.vocab_size = output_vocab_size(model)
         self.max_positions = context_limit(model)

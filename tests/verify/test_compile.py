@@ -46,3 +46,12 @@ def test_compile_without_the_preallocated_cache_is_ignored_with_a_reason(model, 
     assert not decoder.compiled and not proposer.compiled
     assert "target: compile ignored" in caplog.text and "preallocated cache" in caplog.text
     assert "draft: compile ignored" in caplog.text and "lean forward" in caplog.text
+
+
+def test_decoders_and_drafts_of_one_model_share_its_compiled_forward(model, draft, make_llama):
+    # Construction compiles nothing (the first call does): this checks the sharing only.
+    first, second = SpeculativeDecoder(model, compile_forward=True), SpeculativeDecoder(model, compile_forward=True)
+    assert first.forward is second.forward
+    assert DraftModelProposer(draft, compile=True).forward is DraftModelProposer(draft, compile=True).forward
+    other = make_llama(seed=7)  # negative control: another model of the same shapes has its own
+    assert SpeculativeDecoder(other, compile_forward=True).forward is not first.forward
