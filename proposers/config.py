@@ -158,7 +158,13 @@ def load(schema, path: str | Path | None = None, overrides: list[str] | tuple[st
     """Read a YAML file (None: no file, the defaults), apply overrides, build ``schema`` from it."""
     values = read_yaml(path, what) if path is not None else {}
     where = f"{what} {path}" if path is not None else what
-    return build(schema, apply_overrides(values, overrides), where)
+    values = apply_overrides(values, overrides)
+    valid = list(schema_parameters(schema))
+    for item in overrides:  # name the override itself, not only the key it made (``a.b=1`` makes ``a``)
+        first = item.partition("=")[0].split(".")[0].strip()
+        if first not in valid:
+            raise ConfigError(f"{where}: override {item!r} sets unknown key {first!r}; valid keys: {valid}")
+    return build(schema, values, where)
 
 
 # --- building ----------------------------------------------------------------------
