@@ -26,7 +26,7 @@ def tiny_config(tmp_path: Path, name: str, *overrides: str):
 
 
 def test_unknown_key_fails_with_valid_keys(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['hiden_size'\]; valid keys: .*hidden_size"):
+    with pytest.raises(ValueError, match=r"override 'hiden_size=64' sets unknown key 'hiden_size'; valid keys: .*hidden_size"):
         load_config(QUICK, ["hiden_size=64"])
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("vocab_size: 512\nlayers: 2\n")
