@@ -97,11 +97,15 @@ def logits_to_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Ten
     if sampling.greedy:
         probs = torch.zeros_like(logits)
         return probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    # Shift by the row maximum, then divide in float64: the top logit becomes 0 and every
-    # other one < 0, so a tiny temperature drives them to -inf (the argmax point mass, ties
-    # shared) instead of overflowing to inf and a NaN softmax. float64 keeps temperatures
-    # below float32's range (down to 5e-324) nonzero.
-    logits = ((logits - logits.amax(dim=-1, keepdim=True)).double() / sampling.temperature).float()
+    # Shift by the row maximum before dividing: the top logit becomes 0 and every other one
+    # < 0, so a tiny temperature drives them to -inf (the argmax point mass, ties shared)
+    # instead of overflowing to inf and a NaN softmax. A temperature below float32's
+    # smallest normal number (down to 5e-324) divides in float64, where it is not 0.
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    if sampling.temperature >= torch.finfo(torch.float32).tiny:
+        logits = shifted / sampling.temperature
+    else:
+        logits = (shifted.double() / sampling.temperature).float()
     if 0 < sampling.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

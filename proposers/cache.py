@@ -63,15 +63,13 @@ class PreallocatedLayer(DynamicLayer):
         """Write ``[batch, heads, m, dim]`` after the filled prefix, in place; return the new prefix views."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if torch.compiler.is_compiling():
-            # Compiled code reads the buffers and ``length`` only: the views as graph inputs
-            # (aliasing their buffers) make dynamo fail while building guards, and the
-            # data-pointer test of ``_own_prefix`` breaks the graph. Only draftsmith's own
-            # crop / compact touch the cache between compiled calls, and they keep ``length``.
-            length = self.length
-        else:
-            self._own_prefix()
-            length = self.keys.shape[-2]
+        # Compiled code reads the buffers and ``length`` only: the views as graph inputs
+        # (aliasing their buffers) make dynamo fail while building guards, and the
+        # data-pointer test of ``_own_prefix`` breaks the graph. Only draftsmith's own crop /
+        # compact touch the cache between compiled calls, and they keep ``length``.
+        if not torch.compiler.is_compiling():
+            self._own_prefix()  # also brings ``length`` up to date
+        length = self.length
         added = key_states.shape[-2]
         if length + added > self.key_buffer.shape[-2]:
             self._grow(length + added, length)

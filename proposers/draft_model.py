@@ -21,8 +21,8 @@ from torch import nn
 from transformers import DynamicCache
 
 from .base import Draft, InputError, ProposeContext, TargetFeatures, TransformersPeer, VerifyResult, output_vocab_size
-from .cache import cache_probe_passes, fast_path_enabled, make_cache
-from .lean_forward import LEAN_MAX_ROWS, LeanForward, compile_possible, forward_mode, shared_compiled
+from .cache import make_cache
+from .lean_forward import LEAN_MAX_ROWS, fast_paths, forward_mode
 from .models import TOKENIZER_FILES, check_full_attention, context_limit, load_causal_lm, load_tokenizer
 from .tree import DraftTree, compact_cache, crop_cache, grow_dynamic_tree, incremental_tree_mask
 
@@ -104,10 +104,8 @@ class DraftModelProposer:
         self.k, self.tree_width, self.max_nodes = k, tree_width, max_nodes
         self.dynamic, self.k_min, self.k_max = dynamic, k_min, k_max
         self.confidence_threshold = confidence_threshold
-        self.lean = LeanForward.probe(self.model) if fast_path_enabled(lean_forward) else None
-        self.preallocate = fast_path_enabled(preallocated_cache) and cache_probe_passes(self.model, "draft")
-        self.compiled = compile and compile_possible(self.lean, self.preallocate, "draft")
-        self.forward = shared_compiled(self.model, self.lean) if self.compiled else self.lean
+        paths = fast_paths(self.model, "draft", preallocated_cache, lean_forward, compile)
+        self.preallocate, self.lean, self.compiled, self.forward = paths.preallocate, paths.lean, paths.compiled, paths.forward
         self.depth = k  # the current draft depth; moves only when dynamic
         self.cache: DynamicCache | None = None
         self.cached_tokens: list[int] = []  # tokens whose KV the cache holds, in order (committed or a chain's guesses)

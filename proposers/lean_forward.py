@@ -18,11 +18,14 @@ import logging
 import types
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+from .cache import cache_probe_passes, fast_path_enabled
 
 logger = logging.getLogger(__name__)
 PROBE_TOKENS = 6
@@ -66,13 +69,18 @@ class LeanForward:
         Returns:
             logits ``[rows, vocab]`` in the model's dtype.
         """
+        mask, rotary = self._inputs(input_ids, cache, position_ids, mask)
+        return self._layers(input_ids, cache, position_ids, mask, last, rotary)
+
+    def _inputs(self, input_ids, cache, position_ids, mask) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
+        """The call's mask (causal when none is given and several rows come) and rotary ``(cos, sin)``."""
         rows, past = input_ids.shape[1], cache.get_seq_length()
-        return self._layers(input_ids, cache, position_ids, mask, last, self._rotary(position_ids, past + rows))
+        if mask is None and rows > 1:
+            mask = causal_mask(past, rows, self.dtype, input_ids.device)
+        return mask, self._rotary(position_ids, past + rows)
 
     def _layers(self, input_ids, cache, position_ids, mask, last, rotary) -> torch.Tensor:
-        """embed -> layers -> norm -> head, given the rotary ``(cos, sin)`` of ``position_ids``: what ``compiled`` compiles."""
-        if mask is None and input_ids.shape[1] > 1:
-            mask = causal_mask(cache.get_seq_length(), input_ids.shape[1], self.dtype, input_ids.device)
+        """embed -> layers -> norm -> head, given the mask and the rotary ``(cos, sin)``: what ``compiled`` compiles."""
         hidden = self.embed(input_ids)
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True, position_embeddings=rotary)
@@ -105,13 +113,10 @@ class LeanForward:
         graphs: dict[tuple[bool, bool], Callable] = {}
 
         def forward(input_ids, cache, position_ids, mask=None, last=0):
-            rows = input_ids.shape[1]
-            if mask is None and rows > 1:  # built here, so that every several-row call is one kind
-                mask = causal_mask(cache.get_seq_length(), rows, self.dtype, input_ids.device)
-            kind = (rows == 1, mask is None)
+            mask, rotary = self._inputs(input_ids, cache, position_ids, mask)  # outside the graph: every several-row call is one kind
+            kind = (input_ids.shape[1] == 1, mask is None)
             if kind not in graphs:
                 graphs[kind] = self._compile_copy()
-            rotary = self._rotary(position_ids, cache.get_seq_length() + rows)
             try:
                 logits = graphs[kind](input_ids, cache, position_ids, mask, 0, rotary)  # every row: one graph whatever ``last``
             except (AssertionError, torch._dynamo.exc.TorchDynamoException) as error:
@@ -187,6 +192,31 @@ def shared_compiled(model: nn.Module, lean: LeanForward) -> Callable[..., torch.
 
 def _describe(kind: tuple[bool, bool]) -> tuple[str, str]:
     return ("1" if kind[0] else "several", "none" if kind[1] else "yes")
+
+
+@dataclass(frozen=True)
+class FastPaths:
+    """What a model decodes through (``fast_paths``).
+
+    Args:
+        preallocate: its KV cache lives in ``proposers.cache`` buffers.
+        lean: its ``LeanForward``, or None (the model's own forward).
+        compiled: ``forward`` is the compiled lean forward (decode under ``forward_mode(True)``).
+        forward: what scores tokens: the compiled or plain lean forward, or None.
+    """
+
+    preallocate: bool
+    lean: LeanForward | None
+    compiled: bool
+    forward: Callable[..., torch.Tensor] | None
+
+
+def fast_paths(model: nn.Module, role: str, preallocated_cache: bool | None, lean_forward: bool | None, compile: bool) -> FastPaths:
+    """The fast paths ``model`` may take, each probed (None: on unless ``DRAFTSMITH_FAST_PATHS=0``; ``compile`` off unless asked)."""
+    preallocate = fast_path_enabled(preallocated_cache) and cache_probe_passes(model, role)
+    lean = LeanForward.probe(model) if fast_path_enabled(lean_forward) else None
+    compiled = compile and compile_possible(lean, preallocate, role)
+    return FastPaths(preallocate, lean, compiled, shared_compiled(model, lean) if compiled else lean)
 
 
 def compile_possible(lean: LeanForward | None, preallocated: bool, role: str) -> bool:

@@ -24,8 +24,7 @@ from draftsmith.proposers.base import (
     check_integer,
     output_vocab_size,
 )
-from draftsmith.proposers.cache import cache_probe_passes, fast_path_enabled
-from draftsmith.proposers.lean_forward import LeanForward, compile_possible, forward_mode, shared_compiled
+from draftsmith.proposers.lean_forward import fast_paths, forward_mode
 from draftsmith.proposers.models import check_full_attention, context_limit
 from draftsmith.proposers.tree import node_depths, prune_depth, validate_draft
 
@@ -99,10 +98,8 @@ class SpeculativeDecoder:
     ):
         check_full_attention(model, "target")
         self.model = model.eval()
-        self.preallocate = fast_path_enabled(preallocated_cache) and cache_probe_passes(self.model, "target")
-        self.lean = LeanForward.probe(self.model) if fast_path_enabled(lean_forward) else None
-        self.compiled = compile_forward and compile_possible(self.lean, self.preallocate, "target")
-        self.forward = shared_compiled(self.model, self.lean) if self.compiled else self.lean
+        paths = fast_paths(self.model, "target", preallocated_cache, lean_forward, compile_forward)
+        self.preallocate, self.lean, self.compiled, self.forward = paths.preallocate, paths.lean, paths.compiled, paths.forward
         self.proposer = proposer
         self.vocab_size = output_vocab_size(model)
         self.max_positions = context_limit(model)
