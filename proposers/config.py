@@ -36,6 +36,7 @@ class ConfigError(InputError):
 REGISTRY: dict[str, str] = {
     "ngram": "draftsmith.proposers.ngram:NgramProposer",
     "draft_model": "draftsmith.proposers.draft_model:DraftModelProposer",
+    "medusa": "draftsmith.proposers.medusa:MedusaProposer",
 }
 
 

@@ -55,8 +55,14 @@ class LeanForward:
         self.static_rotary = getattr(self.rotary, "rope_type", None) in STATIC_ROPE_TYPES
 
     def __call__(
-        self, input_ids: torch.Tensor, cache: DynamicCache, position_ids: torch.Tensor, mask: torch.Tensor | None = None, last: int = 0
-    ) -> torch.Tensor:
+        self,
+        input_ids: torch.Tensor,
+        cache: DynamicCache,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        last: int = 0,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Feed ``input_ids`` ``[1, m]`` at ``position_ids`` ``[1, m]`` after the ``cache``'s positions; extend it.
 
         Args:
@@ -65,12 +71,16 @@ class LeanForward:
             mask: a 4D additive mask ``[1, 1, m, past + m]``; None means causal (built here
                 when m > 1; a single token attends to everything cached).
             last: return the logits of the last ``last`` rows only (0: every row).
+            hidden_layers: also return these hidden states, indexed as the model's
+                ``output_hidden_states`` (0 = embeddings, i = output of layer i, -1 = the
+                final normed state), each ``[m, hidden]``; needs ``last=0``.
 
         Returns:
-            logits ``[rows, vocab]`` in the model's dtype.
+            logits ``[rows, vocab]`` in the model's dtype; with ``hidden_layers``, the
+            pair ``(logits, {layer: hidden state})``.
         """
         mask, rotary = self._inputs(input_ids, cache, position_ids, mask)
-        return self._layers(input_ids, cache, position_ids, mask, last, rotary)
+        return self._layers(input_ids, cache, position_ids, mask, last, rotary, hidden_layers)
 
     def _inputs(self, input_ids, cache, position_ids, mask) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
         """The call's mask (causal when none is given and several rows come) and rotary ``(cos, sin)``."""
@@ -79,14 +89,21 @@ class LeanForward:
             mask = causal_mask(past, rows, self.dtype, input_ids.device)
         return mask, self._rotary(position_ids, past + rows)
 
-    def _layers(self, input_ids, cache, position_ids, mask, last, rotary) -> torch.Tensor:
+    def _layers(self, input_ids, cache, position_ids, mask, last, rotary, hidden_layers=()):
         """embed -> layers -> norm -> head, given the mask and the rotary ``(cos, sin)``: what ``compiled`` compiles."""
         hidden = self.embed(input_ids)
+        states = [hidden]  # output_hidden_states' numbering: references only, nothing is copied
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True, position_embeddings=rotary)
+            states.append(hidden)
         if last:
             hidden = hidden[:, -last:]
-        return self.head(self.norm(hidden))[0]
+        states[-1] = self.norm(hidden)
+        logits = self.head(states[-1])[0]
+        if not hidden_layers:
+            return logits
+        assert not last, "hidden states are returned for every row"
+        return logits, {layer: states[layer][0] for layer in hidden_layers}
 
     def _rotary(self, position_ids: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary ``(cos, sin)`` ``[1, m, dim]`` of ``position_ids`` (all below ``bound``): table rows, or the module's own call."""
@@ -112,19 +129,21 @@ class LeanForward:
         """
         graphs: dict[tuple[bool, bool], Callable] = {}
 
-        def forward(input_ids, cache, position_ids, mask=None, last=0):
+        def forward(input_ids, cache, position_ids, mask=None, last=0, hidden_layers=()):
             mask, rotary = self._inputs(input_ids, cache, position_ids, mask)  # outside the graph: every several-row call is one kind
-            kind = (input_ids.shape[1] == 1, mask is None)
+            kind = (input_ids.shape[1] == 1, mask is None, tuple(hidden_layers))
             if kind not in graphs:
                 graphs[kind] = self._compile_copy()
             try:
-                logits = graphs[kind](input_ids, cache, position_ids, mask, 0, rotary)  # every row: one graph whatever ``last``
+                out = graphs[kind](input_ids, cache, position_ids, mask, 0, rotary, kind[2])  # every row: one graph whatever ``last``
             except (AssertionError, torch._dynamo.exc.TorchDynamoException) as error:
                 # Raised while compiling, before the graph ran: nothing was written yet.
                 logger.warning("compiling the lean forward (%s rows, mask: %s) failed, it runs eagerly: %s", *_describe(kind), error)
                 graphs[kind] = self._layers
-                logits = self._layers(input_ids, cache, position_ids, mask, 0, rotary)
-            return logits[-last:] if last else logits
+                out = self._layers(input_ids, cache, position_ids, mask, 0, rotary, kind[2])
+            if hidden_layers:
+                return out
+            return out[-last:] if last else out
 
         return forward
 
@@ -190,7 +209,7 @@ def shared_compiled(model: nn.Module, lean: LeanForward) -> Callable[..., torch.
     return forward
 
 
-def _describe(kind: tuple[bool, bool]) -> tuple[str, str]:
+def _describe(kind: tuple) -> tuple[str, str]:
     return ("1" if kind[0] else "several", "none" if kind[1] else "yes")
 
 

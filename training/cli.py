@@ -1,4 +1,4 @@
-"""The ``draftsmith`` console script: generate, eval and demo.
+"""The ``draftsmith`` console script: generate, eval, demo and export.
 
 Training runs under its launchers (``accelerate launch -m draftsmith.training.train``), so
 that ``accelerate`` / ``torchrun`` start the processes; the script covers what runs in one.
@@ -40,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     ev.add_argument("--no-progress", action="store_true")
     ev.set_defaults(run=run_eval)
+
+    exp = commands.add_parser("export", help="write a trained proposer in a serving engine's layout and print how to serve it")
+    exp.add_argument("--proposer", required=True, help="proposer config YAML ({type: medusa, model: DIR} ...)")
+    exp.add_argument("--output", required=True, help="a new or empty directory for the engine's files")
+    exp.add_argument("--format", default="vllm", help="the engine's layout: vllm (default)")
+    exp.add_argument("--target", help="the target directory: checks the proposer against it and names it in the serve line")
+    exp.set_defaults(run=run_export)
 
     demo = commands.add_parser("demo", help="build or reuse the offline demo target and evaluate every proposer on it")
     demo.add_argument("--quick", action="store_true", help="train the minutes-long quick target instead of using the shipped one")
@@ -100,6 +107,27 @@ def run_eval(args) -> int:
     from draftsmith.verify.evaluation.evaluate import EvalConfig, evaluate
 
     print_summary(evaluate(EvalConfig.from_yaml(args.config, args.overrides), progress=not args.no_progress))
+    return 0
+
+
+def run_export(args) -> int:
+    from draftsmith.proposers import load_proposer
+    from draftsmith.proposers.base import InputError
+    from draftsmith.proposers.config import read_config
+    from draftsmith.verify import load_target
+
+    config = read_config(args.proposer, what="proposer config")
+    target = load_target(args.target)[0] if args.target else None
+    proposer = load_proposer(config, target=target)
+    export = getattr(proposer, "export", None)
+    if export is None:
+        raise InputError(f"proposer type {config['type']!r} has no engine export yet")
+    speculative_config = export(args.output, format=args.format)
+    target_name = args.target or "<target>"
+    spec = json.dumps(speculative_config)
+    print(f"exported to {args.output}; serve it with:")
+    print(f"  vllm serve {target_name} --speculative-config '{spec}'")
+    print(f"  LLM(model={target_name!r}, speculative_config={speculative_config!r})")
     return 0
 
 

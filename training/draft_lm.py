@@ -106,7 +106,7 @@ class DraftLMObjective:
         kl = loss.detach() if plain_kl else forward_kl(draft_logits.detach(), target_logits, mask)
         return loss, {"forward_kl": kl, "top1": top1_agreement(draft_logits.detach(), target_logits, mask)}
 
-    def export(self, draft: nn.Module, out_dir: Path, tokenizer, dtype: torch.dtype) -> None:
+    def export(self, draft: nn.Module, out_dir: Path, tokenizer, dtype: torch.dtype, heldout: dict | None = None) -> None:
         """A ``save_pretrained`` directory with the tokenizer; LoRA: the adapter in ``adapter/`` (and the merged draft on request)."""
         if self.lora.enabled:
             draft.save_pretrained(out_dir / "adapter")

@@ -20,7 +20,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def _log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     assert temperature > 0, f"temperature must be > 0, got {temperature}"
     return F.log_softmax(logits.float() / temperature, dim=-1)
 
@@ -34,22 +34,27 @@ def forward_kl(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: to
         mask: ``[batch, seq]`` bool, the positions whose next-token distribution counts.
         temperature: both logits are divided by it before the softmax.
     """
-    target_logp, draft_logp = _log_probs(target_logits, temperature), _log_probs(draft_logits, temperature)
+    return forward_kl_to(draft_logits, log_probs(target_logits, temperature), mask, temperature)
+
+
+def forward_kl_to(draft_logits: torch.Tensor, target_logp: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``forward_kl`` given the target's log-probabilities ``[batch, seq, vocab]`` at ``temperature`` (computed once for several drafts)."""
+    draft_logp = log_probs(draft_logits, temperature)
     per_position = (target_logp.exp() * (target_logp - draft_logp)).sum(-1)  # [batch, seq]
     return masked_mean(per_position, mask)
 
 
 def reverse_kl(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """KL(draft || target), masked mean over positions: mode-seeking. Shapes as in ``forward_kl``."""
-    target_logp, draft_logp = _log_probs(target_logits, temperature), _log_probs(draft_logits, temperature)
+    target_logp, draft_logp = log_probs(target_logits, temperature), log_probs(draft_logits, temperature)
     per_position = (draft_logp.exp() * (draft_logp - target_logp)).sum(-1)  # [batch, seq]
     return masked_mean(per_position, mask)
 
 
 def tvd(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Total variation distance 0.5 * sum |target - draft|, masked mean over positions. Shapes as in ``forward_kl``."""
-    target_probs = _log_probs(target_logits, temperature).exp()
-    draft_probs = _log_probs(draft_logits, temperature).exp()
+    target_probs = log_probs(target_logits, temperature).exp()
+    draft_probs = log_probs(draft_logits, temperature).exp()
     per_position = 0.5 * (target_probs - draft_probs).abs().sum(-1)  # [batch, seq]
     return masked_mean(per_position, mask)
 

@@ -46,13 +46,18 @@ class Objective(Protocol):
         (they are logged while training and averaged over held-out batches).
         """
 
-    def export(self, draft: nn.Module, out_dir: Path, tokenizer, dtype: torch.dtype) -> None:
-        """Write the trained draft into ``out_dir`` (an empty directory) in the layout its proposer loads."""
+    def export(self, draft: nn.Module, out_dir: Path, tokenizer, dtype: torch.dtype, heldout: dict | None = None) -> None:
+        """Write the trained draft into ``out_dir`` (an empty directory) in the layout its proposer loads.
+
+        ``heldout`` holds the last held-out loss and metrics (None without held-out data),
+        for families that store measurements with their weights (Medusa's calibrated tree).
+        """
 
 
 #: ``type`` of a training recipe -> "module:Class" (or the class itself)
 OBJECTIVES: dict[str, str | type] = {
     "draft_lm": "draftsmith.training.draft_lm:DraftLMObjective",
+    "medusa": "draftsmith.training.medusa:MedusaObjective",
 }
 
 

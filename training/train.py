@@ -306,7 +306,7 @@ def fit(
                 if state.step % cfg.log_every == 0 or done:
                     point = log_point(state, window, names, lr, accelerator)
                     accelerator.log({f"train/{k}": point[k] for k in ["train_loss", *names]} | {"lr": lr}, step=state.step)
-                    bar.set_postfix({k: f"{point[k]:.3f}" for k in ["train_loss", *names]})
+                    bar.set_postfix({k: f"{point[k]:.3f}" for k in ["train_loss", *names][:4]})  # the curve keeps every metric
                     window = []
                 # evaluate
                 if evaluate is not None and ((cfg.eval_every and state.step % cfg.eval_every == 0) or done):
@@ -404,12 +404,13 @@ def training_rows(cfg: TrainConfig, target, tokenizer, run_dir: Path, accelerato
 def export(cfg: TrainConfig, objective: Objective, draft, tokenizer, curve: list[dict], config_text: str) -> Path:
     """Write ``output_dir`` atomically: the objective's files, the resolved recipe, the loss curve and held-out metrics."""
 
+    evals = [p["heldout"] for p in curve if "heldout" in p]
+
     def write(out: Path) -> None:
-        objective.export(draft, out, tokenizer, getattr(torch, cfg.save_dtype))
+        objective.export(draft, out, tokenizer, getattr(torch, cfg.save_dtype), evals[-1] if evals else None)
         (out / CONFIG_FILE).write_text(config_text)
         (out / "loss_curve.json").write_text(json.dumps(curve))
         plot_curve(curve, out / "loss_curve.png", title=f"{cfg.type} training", ylabel="loss (per token)")
-        evals = [p["heldout"] for p in curve if "heldout" in p]
         if evals:
             (out / "heldout_metrics.json").write_text(json.dumps({"start": evals[0], "end": evals[-1]}, indent=1) + "\n")
 

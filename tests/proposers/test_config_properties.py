@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from draftsmith.proposers import REGISTRY, load_proposer
 from draftsmith.proposers.base import InputError
 from draftsmith.proposers.config import resolve_type
+from draftsmith.proposers.medusa import MedusaHeads, write_calibration
 from draftsmith.verify import SpeculativeDecoder
 
 PLAUSIBLE = st.one_of(st.integers(min_value=-1, max_value=7), st.floats(min_value=0.0, max_value=1.0), st.booleans(), st.none())
@@ -26,11 +27,15 @@ PROMPT = torch.tensor([[1, 5, 9, 5, 9, 5, 9, 3]])
 
 @pytest.fixture(scope="module")
 def setup(make_llama, tmp_path_factory):
+    """The target, the ``model`` directory of each family that needs one, and plain greedy output."""
     target = make_llama(seed=0)
     draft_dir = tmp_path_factory.mktemp("draft")
     make_llama(seed=5, layers=1).save_pretrained(draft_dir)
+    heads_dir = tmp_path_factory.mktemp("medusa")
+    MedusaHeads.for_target(target, num_heads=3).save(heads_dir)
+    write_calibration(heads_dir, [[0.5, 0.2], [0.3, 0.1], [0.2, 0.1]], tokens=100, max_nodes=4)
     plain = SpeculativeDecoder(target).generate(PROMPT, max_new_tokens=8).new_tokens
-    return target, str(draft_dir), plain
+    return target, {"draft_model": str(draft_dir), "medusa": str(heads_dir)}, plain
 
 
 def config_strategy(kind: str):
@@ -41,12 +46,12 @@ def config_strategy(kind: str):
 
 @pytest.mark.parametrize("kind", sorted(REGISTRY))
 def test_a_config_builds_a_lossless_proposer_or_names_its_bad_key(kind, setup):
-    target, draft_dir, plain = setup
+    target, models, plain = setup
 
     @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(config_strategy(kind))
     def check(extra):
-        config = {"type": kind, **({"model": draft_dir} if kind == "draft_model" else {}), **extra}
+        config = {"type": kind, **({"model": models[kind]} if kind in models else {}), **extra}
         try:
             proposer = load_proposer(config, target=target)
         except (InputError, FileNotFoundError) as err:

@@ -15,16 +15,16 @@ import itertools
 import json
 import shutil
 import warnings
-from collections import Counter
 
 import pytest
 import torch
+from law import V, exact_law, law_statistics, sample_law
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import DynamicCache, PreTrainedTokenizerFast
 
 import draftsmith.proposers.tree as tree
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.base import InputError, ProposeContext, SamplingParams, logits_to_probs
+from draftsmith.proposers.base import InputError, ProposeContext, SamplingParams
 from draftsmith.proposers.cache import fast_path_enabled
 from draftsmith.proposers.draft_model import DraftModelProposer, load_draft_model
 from draftsmith.verify import SpeculativeDecoder
@@ -187,10 +187,8 @@ def test_draft_cache_holds_exactly_the_committed_tokens(config, temperature, mod
 # ---------------------------------------------------------------------------------------
 # The sampled output law
 
-V = 8
 N_LAW = 4000
 N_CONTROL = 1000  # fewer samples only make a control harder to catch, so failing it is the stronger result
-LAW_PROMPT = torch.tensor([[1, 2, 7]])
 LAW_CASES = {  # the 2 x 2 grid: chain and sampled tree (siblings without replacement), T = 0.7 and 1.0
     "chain_t0.7": ({}, 0.7),
     "chain_t1.0": ({}, 1.0),
@@ -213,45 +211,6 @@ def law_models(make_llama):
     return target, draft_lm
 
 
-def exact_law(target, temperature: float) -> dict:
-    """The target's joint law of the first 3 tokens after LAW_PROMPT, from its own next-token probabilities."""
-    pairs = torch.tensor(list(itertools.product(range(V), repeat=2)))  # [V * V, 2]
-    sequences = torch.cat([LAW_PROMPT.expand(len(pairs), -1), pairs], dim=1)
-    with torch.no_grad():
-        logits = target(sequences).logits[:, -3:]  # after the prompt, after x, after (x, y)
-    probs = logits_to_probs(logits, SamplingParams(temperature=temperature)).double()
-    law = {}
-    for row, (x, y) in enumerate(pairs.tolist()):
-        for z in range(V):
-            law[(x, y, z)] = float(probs[row, 0, x] * probs[row, 1, y] * probs[row, 2, z])
-    return {outcome: p for outcome, p in law.items() if p > 0}
-
-
-def sample_law(target, proposer, temperature: float, n: int) -> tuple[Counter, list[int]]:
-    """Counts of the 3 decoded tokens over n seeded requests, and the tokens accepted in each first step."""
-    decoder = SpeculativeDecoder(target, proposer)
-    counts: Counter = Counter()
-    accepted: list[int] = []
-    for seed in range(n):
-        result = decoder.generate(LAW_PROMPT, max_new_tokens=3, temperature=temperature, seed=seed)
-        counts[tuple(result.new_tokens)] += 1
-        accepted.append(result.stats.accept_lengths[0])  # the first step always drafts (depth 1)
-    return counts, accepted
-
-
-def law_statistics(counts: Counter, law: dict, n: int, law_check) -> dict[str, tuple[float, float, float]]:
-    """(chi2, critical, TV) for the joint of the 3 tokens and for the marginal of the first 2.
-
-    The pair marginal has 8x fewer cells, so it is the sharper test of depth-1 drafts.
-    """
-    pair_counts, pair_law = Counter(), Counter()
-    for outcome, count in counts.items():
-        pair_counts[outcome[:2]] += count
-    for outcome, p in law.items():
-        pair_law[outcome[:2]] += p
-    return {"tokens 1-3": law_check(counts, law, n), "tokens 1-2": law_check(pair_counts, dict(pair_law), n)}
-
-
 FAST_LAW_CASES = ("chain_t0.7", "tree_t1.0")  # by default a chain and a tree; --slow runs the whole grid
 
 
@@ -259,8 +218,8 @@ FAST_LAW_CASES = ("chain_t0.7", "tree_t1.0")  # by default a chain and a tree; -
 def test_sampled_output_follows_the_target_law(case, law_models, law_check):
     config, temperature = LAW_CASES[case]
     target, draft_lm = law_models
-    counts, accepted = sample_law(target, DraftModelProposer(draft_lm, k=4, **config), temperature, N_LAW)
-    for name, (stat, critical, tv) in law_statistics(counts, exact_law(target, temperature), N_LAW, law_check).items():
+    counts, accepted = sample_law(target, DraftModelProposer(draft_lm, k=4, **config), SamplingParams(temperature), N_LAW)
+    for name, (stat, critical, tv) in law_statistics(counts, exact_law(target, SamplingParams(temperature)), N_LAW, law_check).items():
         assert stat < critical, f"{case}, {name}: chi2 {stat:.1f} >= {critical:.1f} (TV {tv:.3f})"
     # Not vacuous: the first draft token is accepted in some requests and rejected in others.
     assert 0.05 < sum(a > 0 for a in accepted) / len(accepted) < 0.95
@@ -278,8 +237,8 @@ def test_negative_control_wrong_draft_probs_fails_the_law_test(law_models, law_c
     monkeypatch.setattr(tree, "sample_without_replacement", sample_ignoring_earlier_siblings)
     config, temperature = LAW_CASES["tree_t1.0"]
     target, draft_lm = law_models
-    counts, _ = sample_law(target, DraftModelProposer(draft_lm, k=4, **config), temperature, N_CONTROL)
-    results = law_statistics(counts, exact_law(target, temperature), N_CONTROL, law_check)
+    counts, _ = sample_law(target, DraftModelProposer(draft_lm, k=4, **config), SamplingParams(temperature), N_CONTROL)
+    results = law_statistics(counts, exact_law(target, SamplingParams(temperature)), N_CONTROL, law_check)
     for name, (stat, critical, tv) in results.items():
         assert stat >= critical, f"broken draft_probs passed the law test on {name} (chi2 {stat:.1f} < {critical:.1f}, TV {tv:.3f})"
 

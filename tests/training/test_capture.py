@@ -47,7 +47,7 @@ class ToyProbe:
         loss = forward_kl(logits, captured.logits, batch["loss_mask"])
         return loss, {"top1": top1_agreement(logits.detach(), captured.logits, batch["loss_mask"])}
 
-    def export(self, probe, out_dir: Path, tokenizer, dtype) -> None:
+    def export(self, probe, out_dir: Path, tokenizer, dtype, heldout=None) -> None:
         save_file({"weight": probe.weight.detach().to(dtype).contiguous()}, str(out_dir / "model.safetensors"))
         (out_dir / "config.json").write_text(json.dumps({"in_features": probe.in_features, "out_features": probe.out_features}))
 

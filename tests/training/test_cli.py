@@ -33,3 +33,34 @@ def test_generate_text_output_and_errors(tiny_target_dir, tmp_path, capsys):
     assert "unknown proposer type 'nope'" in capsys.readouterr().err
     assert main(["generate", "--target", str(tiny_target_dir), "--prompt", "x", "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_export_writes_the_engine_layout_and_prints_the_serve_line(tiny_target_dir, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from draftsmith.proposers.medusa import MedusaHeads
+    from draftsmith.verify import load_target
+
+    target, _ = load_target(tiny_target_dir)
+    heads = MedusaHeads.for_target(target, num_heads=2)
+    heads.save(tmp_path / "heads")
+    config = tmp_path / "medusa.yaml"
+    config.write_text(yaml.safe_dump({"type": "medusa", "model": str(tmp_path / "heads"), "tree": [[0], [0, 0]]}))
+    out = tmp_path / "vllm"
+    argv = ["export", "--proposer", str(config), "--output", str(out), "--target", str(tiny_target_dir)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"vllm serve {tiny_target_dir} --speculative-config" in printed and '"method": "medusa"' in printed
+    written = load_file(str(out / "model.safetensors"))
+    assert all(json.loads((out / "config.json").read_text())[k] == v for k, v in heads.config().items())
+    assert all(written[name].equal(tensor) for name, tensor in heads.state_dict().items())
+    # bad input: one line, exit code 2, nothing written
+    assert main(argv) == 2
+    assert "is not empty" in capsys.readouterr().err
+    assert main([*argv[:4], str(tmp_path / "other"), "--format", "tensorrt"]) == 2
+    assert "exports to 'vllm' only, got format 'tensorrt'" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()
+    ngram = tmp_path / "ngram.yaml"
+    ngram.write_text(yaml.safe_dump({"type": "ngram"}))
+    assert main(["export", "--proposer", str(ngram), "--output", str(tmp_path / "n")]) == 2
+    assert "proposer type 'ngram' has no engine export yet" in capsys.readouterr().err

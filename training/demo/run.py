@@ -4,7 +4,7 @@
 ``recipes/demo_target.yaml`` when it is missing; ``--quick`` trains the minutes-long
 quick profile instead), writes the evaluation domains from the target's *held-out*
 files, and runs the evaluation of every proposer that needs no training of its own,
-plus trained drafts found under ``recipes/``, against plain decoding and transformers'
+plus the trained drafts and heads shipped under ``recipes/``, against plain decoding and transformers'
 prompt lookup / assisted generation.
 
 Domains (one JSONL file each, ``{"prompt", "domain", "source"}``):
@@ -96,23 +96,30 @@ def build_domains(
     return paths
 
 
-def trained_drafts(target_dir: Path) -> dict[str, dict]:
-    """Proposer configs for the drafts shipped under recipes/ that share the target's vocabulary.
+#: Trained proposers shipped under recipes/: row name -> (directory, the config the demo evaluates it with).
+#: The draft model drafts 6 deep with a confidence threshold of 0.4: measured faster than a
+#: fixed depth 4 on every demo domain (see benchmarks/RESULTS.md). Medusa grows the tree
+#: calibrated when its heads were trained.
+SHIPPED = {
+    "demo_draft": ("demo_draft", {"type": "draft_model", "k": 6, "confidence_threshold": 0.4}),
+    "medusa": ("demo_medusa", {"type": "medusa"}),
+}
 
-    Depth 6 with a confidence threshold of 0.4: measured faster than a fixed depth 4 on
-    every demo domain (see benchmarks/RESULTS.md).
-    """
+
+def trained_drafts(target_dir: Path) -> dict[str, dict]:
+    """Proposer configs for the trained proposers shipped under recipes/ (``SHIPPED``) that fit the target's vocabulary."""
+
     vocab = json.loads((target_dir / "config.json").read_text())["vocab_size"]
     found = {}
-    for path in sorted(RECIPES.glob("demo_draft*/config.json")):
-        if json.loads(path.read_text())["vocab_size"] == vocab:
-            found[path.parent.name] = {"type": "draft_model", "model": str(path.parent), "k": 6, "confidence_threshold": 0.4}
+    for name, (directory, config) in SHIPPED.items():
+        path = RECIPES / directory / "config.json"
+        if path.is_file() and json.loads(path.read_text())["vocab_size"] == vocab:
+            found[name] = {**config, "model": str(path.parent)}
     return found
 
 
 def run_demo(quick: bool = False, output_dir: str = "outputs/demo", num_prompts: int = 8, max_new_tokens: int = 64) -> dict:
     """Build or reuse the target, write the domains, run the evaluation; return its summary."""
-    from draftsmith.proposers import REGISTRY
     from draftsmith.verify.evaluation.evaluate import DomainFile, EvalConfig, evaluate
 
     for name, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens)):
@@ -133,9 +140,7 @@ def run_demo(quick: bool = False, output_dir: str = "outputs/demo", num_prompts:
     )
     if long_tokens:
         domains["long"] = DomainFile(domains["long"], prompt_tokens=long_tokens)
-    proposers = dict(DEMO_PROPOSERS)
-    if "draft_model" in REGISTRY:
-        proposers.update(trained_drafts(target_dir))
+    proposers = {**DEMO_PROPOSERS, **trained_drafts(target_dir)}
     config = EvalConfig(
         target=str(target_dir),
         domains=domains,

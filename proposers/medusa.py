@@ -1,0 +1,373 @@
+"""Medusa: K heads on the target's last hidden state guess the K tokens after the next one.
+
+Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple
+Decoding Heads". Head k (1-based) reads the final normed hidden state of position t and
+guesses the token at t + k + 1: a residual SiLU block (or several) and its own LM head,
+which starts from the target's. The heads' top guesses form a fixed tree of rank paths
+(``medusa_choices``), scored by the verifier in one forward. The tree is given, or grown
+to a node budget from the heads' top-i accuracies measured on held-out text when they
+were trained (``calibration.json``, ``proposers.tree.grow_tree_by_accuracy``).
+
+Every node is a deterministic guess, so the verifier treats it as a point mass and the
+output follows the target's distribution exactly at every temperature. There is no
+"typical acceptance" (the paper's lossy mode).
+
+Checkpoints: the native layout is vLLM's (``config.json`` with ``model_type: medusa``;
+``blocks.{h}.layers.{l}.weight/bias``, ``lm_heads.{h}.weight``), so ``export`` checks and
+copies. FasterDecoding's original layout loads too (``{h}.{l}.linear.weight/bias``,
+``{h}.{L}.weight``, ``medusa_num_heads`` / ``medusa_num_layers``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .base import Draft, InputError, ProposeContext, TargetFeatures, VerifyResult, check_integer, output_vocab_size
+from .tree import StaticTree, grow_tree_by_accuracy, static_tree
+
+WEIGHTS = "model.safetensors"
+CALIBRATION = "calibration.json"
+ORIGINAL_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")  # FasterDecoding's file names
+DEFAULT_MAX_NODES = 16  # a calibrated tree's budget: T(17)/T(1) is about 1.3 for the demo target on a CPU core
+
+
+class ResidualBlock(nn.Module):
+    """``x + SiLU(W x + b)``, ``num_layers`` times; the weights start at zero, so a fresh block is the identity."""
+
+    def __init__(self, hidden_size: int, num_layers: int, bias: bool = True):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=bias) for _ in range(num_layers))
+        self.act = nn.SiLU()
+        for layer in self.layers:
+            nn.init.zeros_(layer.weight)
+            if bias:
+                nn.init.zeros_(layer.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            hidden = hidden + self.act(layer(hidden))
+        return hidden
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads: a residual block and an LM head each (vLLM's module names).
+
+    Args:
+        hidden_size: the target's hidden size.
+        vocab_size: the target's output vocabulary.
+        num_heads: K; head k guesses the token k + 1 places after the position it reads.
+        num_layers: residual layers per head.
+        bias: whether the residual layers have biases (FasterDecoding's do; vLLM reads
+            ``medusa_fc_bias`` from the config).
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1, bias: bool = True):
+        super().__init__()
+        for name, value, least in (("hidden_size", hidden_size, 1), ("vocab_size", vocab_size, 1), ("num_heads", num_heads, 1)):
+            if check_integer(name, value) < least:
+                raise InputError(f"{name} must be >= {least}, got {value}")
+        if check_integer("num_layers", num_layers) < 0:
+            raise InputError(f"num_layers must be >= 0, got {num_layers}")
+        self.hidden_size, self.vocab_size, self.num_heads, self.num_layers, self.bias = hidden_size, vocab_size, num_heads, num_layers, bias
+        self.blocks = nn.ModuleList(ResidualBlock(hidden_size, num_layers, bias) for _ in range(num_heads))
+        self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads))
+
+    @classmethod
+    def for_target(cls, target: nn.Module, num_heads: int, num_layers: int = 1, bias: bool = True) -> MedusaHeads:
+        """Fresh heads for ``target``: identity blocks, LM heads copied from the target's (as the paper starts them)."""
+        head = target.get_output_embeddings()
+        if head is None or getattr(head, "bias", None) is not None:
+            raise InputError("Medusa heads copy the target's LM head: it needs a bias-free output embedding (a Linear)")
+        vocab, hidden = head.weight.shape
+        heads = cls(int(hidden), int(vocab), num_heads, num_layers, bias)
+        with torch.no_grad():
+            for lm_head in heads.lm_heads:
+                lm_head.weight.copy_(head.weight.float())
+        return heads
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of every head ``[num_heads, ..., vocab]`` from final hidden states ``[..., hidden]``."""
+        return torch.stack([lm_head(block(hidden)) for block, lm_head in zip(self.blocks, self.lm_heads, strict=True)])
+
+    def config(self) -> dict:
+        """``config.json``: the fields vLLM's ``MedusaConfig`` reads, with the residual bias flag."""
+        return {
+            "model_type": "medusa",
+            "architectures": ["MedusaModel"],
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "num_heads": self.num_heads,
+            "num_hidden_layers": self.num_layers,
+            "medusa_fc_bias": self.bias,
+        }
+
+    def save(self, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> None:
+        """Write ``config.json`` and ``model.safetensors`` (vLLM's layout) into ``out_dir``."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tensors = {name: t.detach().to(dtype).contiguous() for name, t in self.state_dict().items()}
+        save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": "pt"})
+        (out_dir / "config.json").write_text(json.dumps(self.config(), indent=1) + "\n")
+
+
+# -- loading ----------------------------------------------------------------------------
+
+
+def load_heads(path: str | Path) -> MedusaHeads:
+    """Load Medusa heads from a directory in vLLM's layout (native) or FasterDecoding's.
+
+    A missing or unreadable file, a config without head counts, or weights that miss a
+    head or have the wrong shape is one InputError line naming the file.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"Medusa heads directory {path} does not exist (no hub downloads: give a local directory)")
+    config_file = path / "config.json"
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"Medusa heads directory {path} has no config.json") from None
+    except (OSError, ValueError) as error:
+        raise InputError(f"Medusa config {config_file} is not valid JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise InputError(f"Medusa config {config_file} must hold a JSON object")
+    weights_file, tensors = _read_weights(path)
+    original = any(name.split(".")[0].isdigit() for name in tensors)
+    tensors = _from_original(tensors) if original else {k.removeprefix("medusa_heads."): v for k, v in tensors.items()}
+    num_heads = _config_int(config, config_file, "num_heads", "medusa_num_heads")
+    num_layers = _config_int(config, config_file, "num_hidden_layers", "medusa_num_layers")
+    head0 = tensors.get("lm_heads.0.weight")
+    if head0 is None or head0.dim() != 2:
+        raise InputError(f"Medusa weights {weights_file} have no LM head for head 0 (lm_heads.0.weight)")
+    vocab, hidden = head0.shape
+    bias = any(k.endswith(".bias") for k in tensors) if original else bool(config.get("medusa_fc_bias", False))
+    heads = MedusaHeads(int(hidden), int(vocab), num_heads, num_layers, bias)
+    expected = heads.state_dict()
+    missing = [k for k in expected if k not in tensors]
+    if missing:
+        present = sorted({int(k.split(".")[1]) for k in tensors if k.startswith(("blocks.", "lm_heads."))})
+        raise InputError(
+            f"Medusa weights {weights_file} miss {len(missing)} tensor(s) of the {num_heads} heads {config_file.name} announces "
+            f"(first: {missing[0]}; heads with weights: {present})"
+        )
+    unexpected = sorted(k for k in tensors if k not in expected)
+    if unexpected:
+        raise InputError(f"Medusa weights {weights_file} hold tensors no head of this config has: {unexpected[:4]}")
+    for name, tensor in expected.items():
+        if tensors[name].shape != tensor.shape:
+            raise InputError(
+                f"Medusa weights {weights_file}: {name} has shape {tuple(tensors[name].shape)}, expected {tuple(tensor.shape)}"
+            )
+    heads.load_state_dict({k: v.float() for k, v in tensors.items()})
+    return heads.eval()
+
+
+def _read_weights(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    for name in (WEIGHTS, *ORIGINAL_WEIGHTS):
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            if file.suffix == ".pt":
+                return file, torch.load(file, map_location="cpu", weights_only=True)
+            return file, load_file(str(file))
+        except (OSError, RuntimeError, SafetensorError, ValueError) as error:
+            raise InputError(f"Medusa weights {file} cannot be read (a truncated or corrupt file?): {error}") from error
+    raise InputError(f"Medusa heads directory {path} has no weights file (one of {[WEIGHTS, *ORIGINAL_WEIGHTS]})")
+
+
+def _from_original(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """FasterDecoding's names -> vLLM's.
+
+    ``{h}.{l}.linear.*`` -> ``blocks.{h}.layers.{l}.*`` and ``{h}.{L}.weight`` -> ``lm_heads.{h}.weight``.
+    """
+    renamed = {}
+    for name, tensor in tensors.items():
+        parts = name.split(".")
+        if len(parts) == 4 and parts[2] == "linear":
+            renamed[f"blocks.{parts[0]}.layers.{parts[1]}.{parts[3]}"] = tensor
+        elif len(parts) == 3 and parts[2] == "weight":
+            renamed[f"lm_heads.{parts[0]}.weight"] = tensor
+        else:
+            renamed[name] = tensor  # reported as unexpected
+    return renamed
+
+
+def _config_int(config: dict, config_file: Path, *names: str) -> int:
+    for name in names:
+        if name in config:
+            value = config[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if "layers" in name else 1):
+                raise InputError(f"Medusa config {config_file}: {name} must be a whole number, got {value!r}")
+            return value
+    raise InputError(f"Medusa config {config_file} states none of {list(names)}")
+
+
+def check_heads_fit(heads: MedusaHeads, target: nn.Module) -> None:
+    """Raise InputError unless ``heads`` read the target's hidden size and score its vocabulary."""
+    hidden = getattr(target.config, "hidden_size", None)
+    vocab = output_vocab_size(target)
+    if hidden is not None and heads.hidden_size != hidden:
+        raise InputError(
+            f"Medusa heads read hidden size {heads.hidden_size}, the target's is {hidden}: they were trained for another target"
+        )
+    if heads.vocab_size != vocab:
+        raise InputError(
+            f"Medusa heads score {heads.vocab_size} tokens, the target's vocabulary has {vocab}: they were trained for another target"
+        )
+
+
+# -- the proposer -----------------------------------------------------------------------
+
+
+class MedusaProposer:
+    """Draft a fixed tree of the Medusa heads' top guesses.
+
+    Args:
+        model: ``MedusaHeads``, or a directory holding them (and ``calibration.json`` when
+            they were trained here).
+        tree: the tree as rank paths (``medusa_choices``: ``[[0], [1], [0, 0], ...]``);
+            None grows the calibrated tree stored with the heads to ``max_nodes``.
+        max_nodes: node budget of the calibrated tree (default: the one it was stored with,
+            else 16); it cuts a given ``tree`` too (breadth first).
+        target: the target model; when given, the heads' hidden size and vocabulary are checked against it.
+    """
+
+    hidden_layers: tuple[int, ...] = (-1,)  # the final normed state, which the target's LM head reads
+
+    def __init__(
+        self,
+        model: MedusaHeads | str | Path,
+        tree: list[list[int]] | None = None,
+        max_nodes: int | None = None,
+        target: nn.Module | None = None,
+    ):
+        if max_nodes is not None and check_integer("max_nodes", max_nodes) < 1:
+            raise InputError(f"max_nodes must be >= 1 (a tree of at least one node), got {max_nodes}")
+        self.calibration = None
+        if isinstance(model, (str, Path)):
+            self.calibration = read_calibration(Path(model))
+            model = load_heads(model)
+        if target is not None:
+            check_heads_fit(model, target)
+            model = model.to(target.device)
+        self.heads = model.eval()
+        self.vocab_size = model.vocab_size
+        self.tree = _choose_tree(tree, self.calibration, max_nodes, model.num_heads)
+        self._hidden: torch.Tensor | None = None  # final hidden state of the last committed position the target scored
+
+    def transformers_peer(self) -> None:
+        return None  # transformers has no Medusa
+
+    def begin(self, prompt: list[int], features: TargetFeatures | None) -> None:
+        self._hidden = _last_state(features)
+
+    def observe(self, result: VerifyResult, features: TargetFeatures | None) -> None:
+        self._hidden = _last_state(features)
+
+    @torch.inference_mode()
+    def propose(self, context: ProposeContext) -> Draft:
+        """The tree's tokens from the heads' guesses after the last scored position."""
+        if self._hidden is None:
+            return Draft.empty()
+        tree = self.tree
+        logits = self.heads(self._hidden)[: tree.depth]  # [depth, vocab]
+        guesses = logits.topk(tree.width, dim=-1).indices.cpu()  # [depth, width]
+        return Draft(guesses[tree.depths - 1, tree.ranks], tree.parents)
+
+    def export(self, out_dir: str | Path, format: str = "vllm") -> dict:
+        """Write the heads in an engine's layout (vLLM: the native one) into ``out_dir``; return its ``speculative_config``."""
+        if format != "vllm":
+            raise InputError(f"medusa exports to 'vllm' only, got format {format!r}")
+        export_vllm(self.heads, Path(out_dir))
+        if self.calibration is not None:  # engines ignore it; draftsmith grows the same tree from it
+            (Path(out_dir) / CALIBRATION).write_text(json.dumps(self.calibration, indent=1) + "\n")
+        return {"method": "medusa", "model": str(out_dir), "num_speculative_tokens": self.heads.num_heads}
+
+
+def _last_state(features: TargetFeatures | None) -> torch.Tensor:
+    if features is None or -1 not in features.hidden_states:
+        raise ValueError("the Medusa proposer needs the target's final hidden state (hidden_layers=(-1,)) with every observe")
+    return features.hidden_states[-1][-1].float()  # [hidden]
+
+
+def _choose_tree(tree, calibration: dict | None, max_nodes: int | None, num_heads: int) -> StaticTree:
+    if tree is not None:
+        chosen = static_tree(tree, max_depth=num_heads, what="medusa tree")
+        if max_nodes is not None and max_nodes < chosen.num_nodes:
+            chosen = static_tree(chosen.paths[:max_nodes], max_depth=num_heads, what="medusa tree")
+        return chosen
+    if calibration is None:
+        raise InputError(
+            "these Medusa heads have no calibration.json (it is written when they are trained here): give the tree as rank paths, "
+            "tree: [[0], [1], [0, 0], ...] (medusa_choices)"
+        )
+    accuracy = calibration["rank_accuracy"][:num_heads]
+    budget = max_nodes if max_nodes is not None else calibration.get("max_nodes", DEFAULT_MAX_NODES)
+    grown = grow_tree_by_accuracy(accuracy, budget)
+    if not grown:
+        warnings.warn("the calibration says no head guess was ever right: drafting one node per step", stacklevel=3)
+        grown = [(0,)]
+    return static_tree(grown, max_depth=num_heads, what="calibrated medusa tree")
+
+
+def read_calibration(path: Path) -> dict | None:
+    """The heads' ``calibration.json`` (top-i accuracy per head on held-out text), or None when there is none."""
+    file = path / CALIBRATION
+    if not file.is_file():
+        return None
+    try:
+        calibration = json.loads(file.read_text(encoding="utf-8"))
+        accuracy = calibration["rank_accuracy"]
+        if not accuracy or not all(
+            isinstance(row, list) and all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in row) for row in accuracy
+        ):
+            raise ValueError("rank_accuracy must be a non-empty list of lists of accuracies in [0, 1]")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise InputError(f"Medusa calibration {file} cannot be used: {error}") from error
+    return calibration
+
+
+def write_calibration(out_dir: Path, rank_accuracy: list[list[float]], tokens: int, max_nodes: int = DEFAULT_MAX_NODES) -> None:
+    """Write ``calibration.json``: the accuracy of each head's guess of each rank, and the tree grown from it."""
+    tree = grow_tree_by_accuracy(rank_accuracy, max_nodes)
+    calibration = {"rank_accuracy": rank_accuracy, "tokens": tokens, "max_nodes": max_nodes, "tree": [list(p) for p in tree]}
+    (out_dir / CALIBRATION).write_text(json.dumps(calibration, indent=1) + "\n")
+
+
+# -- export ------------------------------------------------------------------------------
+
+
+def export_vllm(heads: MedusaHeads, out_dir: Path) -> None:
+    """Write vLLM's Medusa layout into ``out_dir`` and read it back: every tensor vLLM loads, with its shape and dtype."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise InputError(f"export directory {out_dir} is not empty: give a new or empty directory")
+    staging = out_dir.with_name(f".{out_dir.name}.partial")  # written and checked beside it, then moved in: nothing half-written
+    shutil.rmtree(staging, ignore_errors=True)
+    heads.save(staging)
+    check_export(heads, staging)
+    if out_dir.exists():
+        out_dir.rmdir()
+    staging.rename(out_dir)
+
+
+def check_export(heads: MedusaHeads, out_dir: Path) -> None:
+    """Raise InputError unless ``out_dir`` holds every tensor of ``heads`` under vLLM's names, equal, and its config fields."""
+    config = json.loads((out_dir / "config.json").read_text())
+    for key, value in heads.config().items():
+        if config.get(key) != value:
+            raise InputError(f"exported config {out_dir / 'config.json'}: {key} is {config.get(key)!r}, expected {value!r}")
+    written = load_file(str(out_dir / WEIGHTS))
+    for name, tensor in heads.state_dict().items():
+        if name not in written:
+            raise InputError(f"exported weights {out_dir / WEIGHTS} miss {name}")
+        if written[name].shape != tensor.shape or written[name].dtype != tensor.dtype or not torch.equal(written[name], tensor.cpu()):
+            raise InputError(f"exported weights {out_dir / WEIGHTS}: {name} differs from the heads' tensor")

@@ -1,0 +1,152 @@
+"""Medusa-1 heads on a frozen target (Cai et al. 2024): only the heads train.
+
+Head k reads the target's final hidden state at position t and learns the target's own
+distribution at position t + k (the token t + k + 1): forward KL to it by default, or
+cross-entropy to its greedy token; head k's loss is weighted by ``decay ** (k - 1)``.
+Held-out evaluation reports each head's top-r accuracy against the target's greedy token
+for r = 1 .. ``ranks``; the export turns the last of these into ``calibration.json``,
+from which the proposer grows its tree (``proposers.tree.grow_tree_by_accuracy``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.proposers.base import InputError, check_integer, check_real
+from draftsmith.proposers.medusa import DEFAULT_MAX_NODES, MedusaHeads, check_heads_fit, load_heads, write_calibration
+
+from .capture import Captured
+from .losses import forward_kl_to, log_probs, masked_mean
+
+MIN_RANKS = 5  # top-1 and top-5 are always reported
+
+
+class MedusaObjective:
+    """Train K Medusa heads toward the frozen target (the recipe's ``draft:`` section).
+
+    Args:
+        num_heads: K, the tokens guessed beyond the next one.
+        num_layers: residual layers per head.
+        pretrained: a Medusa heads directory to continue from (None: fresh heads whose LM
+            heads start from the target's).
+        loss: ``forward_kl`` to the target's distribution, or ``cross_entropy`` to its greedy token.
+        decay: head k's loss weight is ``decay ** (k - 1)``.
+        temperature: both distributions are softened by it in the KL.
+        ranks: held-out top-r accuracies are measured for r = 1 .. ranks (at least 5); the
+            calibrated tree uses guesses up to this rank.
+        max_nodes: node budget of the calibrated tree stored with the heads.
+    """
+
+    hidden_layers: tuple[int, ...] = (-1,)
+    needs_logits = True
+
+    def __init__(
+        self,
+        num_heads: int = 4,
+        num_layers: int = 1,
+        pretrained: str | None = None,
+        loss: Literal["forward_kl", "cross_entropy"] = "forward_kl",
+        decay: float = 0.8,
+        temperature: float = 1.0,
+        ranks: int = 8,
+        max_nodes: int = DEFAULT_MAX_NODES,
+    ):
+        if check_integer("draft.num_heads", num_heads) < 1:
+            raise InputError(f"draft.num_heads must be >= 1, got {num_heads}")
+        if check_integer("draft.num_layers", num_layers) < 0:
+            raise InputError(f"draft.num_layers must be >= 0, got {num_layers}")
+        if not 0.0 < check_real("draft.decay", decay) <= 1.0:
+            raise InputError(f"draft.decay must be in (0, 1], got {decay!r}")
+        if not 0.0 < check_real("draft.temperature", temperature) < math.inf:
+            raise InputError(f"draft.temperature must be a finite number > 0, got {temperature!r}")
+        if check_integer("draft.ranks", ranks) < MIN_RANKS:
+            raise InputError(f"draft.ranks must be >= {MIN_RANKS} (top-1 and top-5 are reported), got {ranks}")
+        if check_integer("draft.max_nodes", max_nodes) < 1:
+            raise InputError(f"draft.max_nodes must be >= 1 (the calibrated tree's node budget), got {max_nodes}")
+        self.num_heads, self.num_layers, self.pretrained = num_heads, num_layers, pretrained
+        self.loss_name, self.decay, self.temperature, self.ranks, self.max_nodes = loss, decay, temperature, ranks, max_nodes
+
+    def check(self, target: nn.Module, tokenizer) -> None:
+        if self.pretrained is not None and not Path(self.pretrained).is_dir():
+            raise FileNotFoundError(f"draft.pretrained {self.pretrained} is not a directory")
+
+    def build(self, target: nn.Module, tokenizer) -> nn.Module:
+        """The heads: loaded from ``pretrained`` (checked against the target), or fresh from the target's LM head."""
+        if self.pretrained is None:
+            return MedusaHeads.for_target(target, self.num_heads, self.num_layers)
+        heads = load_heads(self.pretrained)
+        check_heads_fit(heads, target)
+        if (heads.num_heads, heads.num_layers) != (self.num_heads, self.num_layers):
+            raise InputError(
+                f"draft.pretrained has {heads.num_heads} heads of {heads.num_layers} layer(s), "
+                f"the recipe asks for {self.num_heads} of {self.num_layers}"
+            )
+        return heads
+
+    def loss(self, heads: nn.Module, batch: dict[str, torch.Tensor], captured: Captured) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The decayed sum of every head's loss, normalised by the weights.
+
+        Metrics: each head's KL to the target, and in eval mode its top-r accuracies.
+        """
+        mask, target_logits = batch["loss_mask"], captured.logits  # [batch, seq], [batch, seq, vocab]
+        head_logits = heads(captured.hidden[-1].float())  # [heads, batch, seq, vocab]
+        seq = mask.shape[1]
+        # Once for every head: the target's log-probs (at the loss temperature, and at 1) and greedy tokens.
+        target_logp = log_probs(target_logits, self.temperature)
+        plain_logp = target_logp if self.temperature == 1.0 else log_probs(target_logits, 1.0)
+        greedy = target_logits.argmax(-1)  # [batch, seq]
+        total, weights, metrics = 0.0, 0.0, {}
+        for k in range(1, min(head_logits.shape[0], seq - 1) + 1):
+            # head k at position t guesses token t + k + 1: the target's row t + k
+            guess, counted = head_logits[k - 1][:, : seq - k], mask[:, k:]
+            if self.loss_name == "forward_kl":
+                head_loss = forward_kl_to(guess, target_logp[:, k:], counted, self.temperature)
+            else:
+                per_position = F.cross_entropy(guess.flatten(0, 1).float(), greedy[:, k:].flatten(), reduction="none")
+                head_loss = masked_mean(per_position.view_as(counted), counted)
+            weight = self.decay ** (k - 1)
+            total, weights = total + weight * head_loss, weights + weight
+            with torch.no_grad():
+                plain = (
+                    head_loss.detach()
+                    if self.loss_name == "forward_kl" and self.temperature == 1.0
+                    else forward_kl_to(guess, plain_logp[:, k:], counted)
+                )
+                metrics[f"h{k}_kl"] = plain
+                if not heads.training:  # held-out evaluation: the top-r accuracies (a topk over the vocabulary per head)
+                    metrics.update(top_r_accuracy(guess, greedy[:, k:], counted, self.ranks, prefix=f"h{k}_top"))
+        return total / weights, metrics
+
+    def export(self, heads: nn.Module, out_dir: Path, tokenizer, dtype: torch.dtype, heldout: dict | None = None) -> None:
+        """The heads in vLLM's layout, and ``calibration.json`` from the last held-out top-r accuracies."""
+        heads.save(out_dir, dtype)
+        if heldout is None:
+            print(f"no held-out data: {out_dir} has no calibration.json, so its proposer config needs tree: [[0], ...] rank paths")
+            return
+        write_calibration(out_dir, rank_accuracy(heldout, heads.num_heads, self.ranks), int(heldout.get("tokens", 0)), self.max_nodes)
+
+
+def top_r_accuracy(guess: torch.Tensor, wanted: torch.Tensor, mask: torch.Tensor, ranks: int, prefix: str) -> dict[str, torch.Tensor]:
+    """``{prefix + str(r): share of masked positions whose wanted token is among the top r guesses}`` for r = 1 .. ranks.
+
+    Args:
+        guess: ``[batch, seq, vocab]`` a head's logits; wanted: ``[batch, seq]`` the target's greedy tokens; mask: ``[batch, seq]``.
+    """
+    top = guess.topk(ranks, dim=-1).indices  # [batch, seq, ranks]
+    cumulative = (top == wanted.unsqueeze(-1)).float().cumsum(-1)  # [batch, seq, ranks], at most one hit per position
+    return {f"{prefix}{r}": masked_mean(cumulative[..., r - 1], mask) for r in range(1, ranks + 1)}
+
+
+def rank_accuracy(heldout: dict, num_heads: int, ranks: int) -> list[list[float]]:
+    """Per head, how often its guess of each rank was the target's token: differences of the top-r accuracies."""
+    table = []
+    for k in range(1, num_heads + 1):
+        top = [0.0] + [float(heldout.get(f"h{k}_top{r}", 0.0)) for r in range(1, ranks + 1)]
+        table.append([round(max(top[r] - top[r - 1], 0.0), 4) for r in range(1, ranks + 1)])
+    return table
