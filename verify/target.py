@@ -110,8 +110,11 @@ class Target:
 
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor) -> TargetOutput:
         """Score ``input_ids`` ``[1, m]`` at ``position_ids`` with ``mask`` (None: causal) after the cache; extend it."""
-        if self.lean is not None and not self.hidden_layers and input_ids.shape[1] <= LEAN_MAX_ROWS:
-            return TargetOutput(self.lean(input_ids, self.cache, position_ids, mask), None)
+        if self.lean is not None and input_ids.shape[1] <= LEAN_MAX_ROWS:
+            if not self.hidden_layers:
+                return TargetOutput(self.lean(input_ids, self.cache, position_ids, mask), None)
+            logits, states = self.lean(input_ids, self.cache, position_ids, mask, hidden_layers=self.hidden_layers)
+            return TargetOutput(logits, TargetFeatures(states))
         kwargs = {"attention_mask": mask, "position_ids": position_ids} if mask is not None else {}
         return self._output(
             self.model(input_ids, cache=self.cache, use_cache=True, output_hidden_states=bool(self.hidden_layers), **kwargs)
