@@ -37,6 +37,7 @@ REGISTRY: dict[str, str] = {
     "ngram": "draftsmith.proposers.ngram:NgramProposer",
     "draft_model": "draftsmith.proposers.draft_model:DraftModelProposer",
     "medusa": "draftsmith.proposers.medusa:MedusaProposer",
+    "eagle": "draftsmith.proposers.eagle:EagleProposer",
 }
 
 

@@ -29,7 +29,9 @@ from .cache import cache_probe_passes, fast_path_enabled
 
 logger = logging.getLogger(__name__)
 PROBE_TOKENS = 6
-LEAN_MAX_ROWS = 16  # longer inputs (prompts) take the model's own forward and its causal kernel
+LEAN_MAX_ROWS = (
+    64  # a draft tree of up to 63 nodes and its root; longer inputs (prompts) take the model's own forward and its causal kernel
+)
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")  # the ones that take a 4D additive float mask as given
 # RoPE variants whose cos / sin depend on the position only (``dynamic`` and ``longrope``
 # rescale with the sequence length): their rotary embedding is looked up in a table.

@@ -279,7 +279,8 @@ class MedusaProposer:
         if self._hidden is None:
             return Draft.empty()
         tree = self.tree
-        logits = self.heads(self._hidden)[: tree.depth]  # [depth, vocab]
+        # only the heads the tree reaches; one product each (a batched bmm is 5x slower for matrix-vector on a CPU)
+        logits = torch.stack([self.heads.lm_heads[d](self.heads.blocks[d](self._hidden)) for d in range(tree.depth)])  # [depth, vocab]
         guesses = logits.topk(tree.width, dim=-1).indices.cpu()  # [depth, width]
         return Draft(guesses[tree.depths - 1, tree.ranks], tree.parents)
 

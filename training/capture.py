@@ -268,6 +268,7 @@ def offline_key(cfg, target) -> str:
     from .train import make_objective
 
     objective = make_objective(cfg)
+    objective.check(target, None)  # resolves target-dependent layers (EAGLE-3's default aux layers)
     data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in ("self_distill",)}
     data["self_distill"] = {k: v for k, v in dataclasses.asdict(cfg.data.self_distill).items() if k not in ("cache_dir", "batch_size")}
     data["seed"] = cfg.seed
@@ -286,6 +287,7 @@ def capture_offline(cfg) -> dict:
     splits = {"train": build_dataset(cfg, cfg.data.train_files, tokenizer, target, run_dir, cfg.data.max_documents)}
     if cfg.data.eval_files:
         splits["eval"] = build_dataset(eval_config(cfg), cfg.data.eval_files, tokenizer, target, run_dir)
+    objective.check(target, tokenizer)
     layers = stored_layers(target, objective.hidden_layers, objective.needs_logits)
     return capture_dataset(target, splits, Path(cfg.capture.dir or run_dir / "capture"), layers, offline_key(cfg, target), cfg.capture)
 

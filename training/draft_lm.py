@@ -85,7 +85,7 @@ class DraftLMObjective:
         if self.pretrained is not None and not Path(self.pretrained).is_dir():
             raise FileNotFoundError(f"draft.pretrained {self.pretrained} is not a directory")
 
-    def build(self, target: nn.Module, tokenizer) -> nn.Module:
+    def build(self, target: nn.Module, tokenizer, rows=None) -> nn.Module:
         """The draft: loaded from ``pretrained`` (with LoRA adapters when asked), or a fresh Llama."""
         if self.pretrained is not None:
             draft = load_causal_lm(Path(self.pretrained), "draft.pretrained", dtype=torch.float32)

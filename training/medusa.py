@@ -76,7 +76,7 @@ class MedusaObjective:
         if self.pretrained is not None and not Path(self.pretrained).is_dir():
             raise FileNotFoundError(f"draft.pretrained {self.pretrained} is not a directory")
 
-    def build(self, target: nn.Module, tokenizer) -> nn.Module:
+    def build(self, target: nn.Module, tokenizer, rows=None) -> nn.Module:
         """The heads: loaded from ``pretrained`` (checked against the target), or fresh from the target's LM head."""
         if self.pretrained is None:
             return MedusaHeads.for_target(target, self.num_heads, self.num_layers)

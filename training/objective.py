@@ -36,8 +36,12 @@ class Objective(Protocol):
     def check(self, target: nn.Module, tokenizer) -> None:
         """Raise ValueError when this objective cannot train against ``target`` (before any slow work)."""
 
-    def build(self, target: nn.Module, tokenizer) -> nn.Module:
-        """The trainable draft or heads, fresh or loaded; only its trainable parameters get gradients."""
+    def build(self, target: nn.Module, tokenizer, rows=None) -> nn.Module:
+        """The trainable draft or heads, fresh or loaded; only its trainable parameters get gradients.
+
+        ``rows`` are the training rows (``{"input_ids": ...}``), for families that choose
+        something from the data (EAGLE-3's draft vocabulary from token frequencies).
+        """
 
     def loss(self, draft: nn.Module, batch: dict[str, torch.Tensor], captured: Captured) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The scalar loss of ``batch`` (``input_ids`` / ``loss_mask`` ``[batch, seq]``) and metrics.
@@ -58,6 +62,7 @@ class Objective(Protocol):
 OBJECTIVES: dict[str, str | type] = {
     "draft_lm": "draftsmith.training.draft_lm:DraftLMObjective",
     "medusa": "draftsmith.training.medusa:MedusaObjective",
+    "eagle": "draftsmith.training.eagle:EagleObjective",
 }
 
 

@@ -353,7 +353,7 @@ def train(cfg: TrainConfig, interrupt_after_steps: int = 0) -> Path:
     train_rows, eval_rows = training_rows(cfg, target, tokenizer, run_dir, accelerator)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     set_seed(cfg.seed)  # the same fresh draft whatever the data path did
-    draft = objective.build(target, tokenizer)
+    draft = objective.build(target, tokenizer, train_rows)
     optimizer = make_adamw(draft, cfg.learning_rate, cfg.weight_decay)
     model, optimizer, loader = accelerator.prepare(draft, optimizer, make_loader(train_rows, cfg.batch_size, pad_id))
     capturer = Capturer(target, objective.hidden_layers, objective.needs_logits, offline=cfg.capture.mode == "offline")

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from draftsmith.proposers import REGISTRY, load_proposer
 from draftsmith.proposers.base import InputError
 from draftsmith.proposers.config import resolve_type
+from draftsmith.proposers.eagle import config_for_target, draft_for_target
 from draftsmith.proposers.medusa import MedusaHeads, write_calibration
 from draftsmith.verify import SpeculativeDecoder
 
@@ -34,8 +35,10 @@ def setup(make_llama, tmp_path_factory):
     heads_dir = tmp_path_factory.mktemp("medusa")
     MedusaHeads.for_target(target, num_heads=3).save(heads_dir)
     write_calibration(heads_dir, [[0.5, 0.2], [0.3, 0.1], [0.2, 0.1]], tokens=100, max_nodes=4)
+    eagle_dir = tmp_path_factory.mktemp("eagle")
+    draft_for_target(config_for_target(target, 1), target).save(eagle_dir)
     plain = SpeculativeDecoder(target).generate(PROMPT, max_new_tokens=8).new_tokens
-    return target, {"draft_model": str(draft_dir), "medusa": str(heads_dir)}, plain
+    return target, {"draft_model": str(draft_dir), "medusa": str(heads_dir), "eagle": str(eagle_dir)}, plain
 
 
 def config_strategy(kind: str):

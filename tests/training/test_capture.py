@@ -38,7 +38,7 @@ class ToyProbe:
     def check(self, target, tokenizer) -> None:
         pass
 
-    def build(self, target, tokenizer) -> nn.Module:
+    def build(self, target, tokenizer, rows=None) -> nn.Module:
         return nn.Linear(target.config.hidden_size, target.config.vocab_size, bias=False)
 
     def loss(self, probe, batch, captured):
