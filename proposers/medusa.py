@@ -5,8 +5,8 @@ Decoding Heads". Head k (1-based) reads the final normed hidden state of positio
 guesses the token at t + k + 1: a residual SiLU block (or several) and its own LM head,
 which starts from the target's. The heads' top guesses form a fixed tree of rank paths
 (``medusa_choices``), scored by the verifier in one forward. The tree is given, or grown
-to a node budget from the heads' top-i accuracies measured on held-out text when they
-were trained (``calibration.json``, ``proposers.tree.grow_tree_by_accuracy``).
+to a node budget from how often each path of guesses was right on held-out text when
+the heads were trained (``calibration.json``, ``proposers.tree.grow_tree_by_frequency``).
 
 Every node is a deterministic guess, so the verifier treats it as a point mass and the
 output follows the target's distribution exactly at every temperature. There is no
@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .base import Draft, InputError, ProposeContext, TargetFeatures, VerifyResult, check_integer, output_vocab_size
-from .tree import StaticTree, grow_tree_by_accuracy, static_tree
+from .tree import StaticTree, grow_tree_by_accuracy, grow_tree_by_frequency, static_tree
 
 WEIGHTS = "model.safetensors"
 CALIBRATION = "calibration.json"
@@ -311,17 +311,29 @@ def _choose_tree(tree, calibration: dict | None, max_nodes: int | None, num_head
             "these Medusa heads have no calibration.json (it is written when they are trained here): give the tree as rank paths, "
             "tree: [[0], [1], [0, 0], ...] (medusa_choices)"
         )
-    accuracy = calibration["rank_accuracy"][:num_heads]
     budget = max_nodes if max_nodes is not None else calibration.get("max_nodes", DEFAULT_MAX_NODES)
-    grown = grow_tree_by_accuracy(accuracy, budget)
+    grown = grow_calibrated_tree(calibration, budget, num_heads)
     if not grown:
         warnings.warn("the calibration says no head guess was ever right: drafting one node per step", stacklevel=3)
         grown = [(0,)]
     return static_tree(grown, max_depth=num_heads, what="calibrated medusa tree")
 
 
+def grow_calibrated_tree(calibration: dict, max_nodes: int, num_heads: int) -> list[tuple[int, ...]]:
+    """The best tree for the budget: by the measured frequency of every rank path if known, else by per-head accuracies."""
+    counts = calibration.get("path_counts")
+    if counts:
+        return grow_tree_by_frequency({p: c for p, c in parse_path_counts(counts).items() if len(p) <= num_heads}, max_nodes)
+    return grow_tree_by_accuracy(calibration["rank_accuracy"][:num_heads], max_nodes)
+
+
+def parse_path_counts(counts: dict) -> dict[tuple[int, ...], int]:
+    """``{"0,1": n, ...}`` (JSON keys) -> ``{(0, 1): n, ...}``."""
+    return {tuple(int(r) for r in key.split(",")): int(n) for key, n in counts.items()}
+
+
 def read_calibration(path: Path) -> dict | None:
-    """The heads' ``calibration.json`` (top-i accuracy per head on held-out text), or None when there is none."""
+    """The heads' ``calibration.json`` (top-i accuracy per head and rank-path frequencies on held-out text), or None when there is none."""
     file = path / CALIBRATION
     if not file.is_file():
         return None
@@ -332,15 +344,28 @@ def read_calibration(path: Path) -> dict | None:
             isinstance(row, list) and all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in row) for row in accuracy
         ):
             raise ValueError("rank_accuracy must be a non-empty list of lists of accuracies in [0, 1]")
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        counts = parse_path_counts(calibration.get("path_counts") or {})
+        if any(not p or min(p) < 0 or n < 0 for p, n in counts.items()):
+            raise ValueError("path_counts must map comma-separated ranks >= 0 to counts >= 0")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise InputError(f"Medusa calibration {file} cannot be used: {error}") from error
     return calibration
 
 
-def write_calibration(out_dir: Path, rank_accuracy: list[list[float]], tokens: int, max_nodes: int = DEFAULT_MAX_NODES) -> None:
-    """Write ``calibration.json``: the accuracy of each head's guess of each rank, and the tree grown from it."""
-    tree = grow_tree_by_accuracy(rank_accuracy, max_nodes)
-    calibration = {"rank_accuracy": rank_accuracy, "tokens": tokens, "max_nodes": max_nodes, "tree": [list(p) for p in tree]}
+def write_calibration(
+    out_dir: Path,
+    rank_accuracy: list[list[float]],
+    tokens: int,
+    max_nodes: int = DEFAULT_MAX_NODES,
+    path_counts: dict[tuple[int, ...], int] | None = None,
+) -> None:
+    """Write ``calibration.json``: per-head accuracy per rank, every rank path's frequency (if measured), the tree grown from them."""
+    calibration = {"rank_accuracy": rank_accuracy, "tokens": tokens, "max_nodes": max_nodes}
+    if path_counts:
+        calibration["path_counts"] = {
+            ",".join(map(str, p)): n for p, n in sorted(path_counts.items(), key=lambda item: (len(item[0]), item[0]))
+        }
+    calibration["tree"] = [list(p) for p in grow_calibrated_tree(calibration, max_nodes, len(rank_accuracy))]
     (out_dir / CALIBRATION).write_text(json.dumps(calibration, indent=1) + "\n")
 
 

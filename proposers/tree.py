@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -456,38 +456,68 @@ def static_tree(paths: Sequence[Sequence[int]], max_depth: int | None = None, wh
     )
 
 
-def grow_tree_by_accuracy(rank_accuracy: Sequence[Sequence[float]], max_nodes: int) -> list[RankPath]:
+#: children(path) -> (child path, value) pairs: the candidates below ``path`` (``()``: the root) and their acceptance.
+Children = Callable[[RankPath], Iterable[tuple[RankPath, float]]]
+
+
+def grow_tree(children: Children, max_nodes: int) -> list[RankPath]:
     """The rank-path tree of at most ``max_nodes`` nodes with the largest expected accepted length.
 
-    ``rank_accuracy[d][r]`` is how often the guess of rank r at depth d + 1 is the target's
-    token. Taking depths as independent, a node is accepted with the product of the
-    accuracies along its path, and the expected accepted length is the sum over nodes.
-    A child never scores above its parent, so adding the best-scoring child of the tree
-    so far, node by node, gives the best tree for the budget (the Medusa paper's
-    calibrated tree, Cai et al. 2024). Nodes that are never accepted are left out.
+    A node's value is the probability that its whole path is accepted, so the expected
+    accepted length is the sum of the values. A child never scores above its parent
+    (its event is contained in the parent's), so adding the best candidate below the
+    tree so far, node by node, gives the best tree for the budget (the calibrated trees
+    of Medusa, Cai et al. 2024, and Sequoia, Chen et al. 2024). Nodes that are never
+    accepted (value 0) are left out.
     """
     if max_nodes < 1:
         raise InputError(f"max_nodes must be >= 1, got {max_nodes}")
-    depth = len(rank_accuracy)
     frontier: list[tuple[float, int, RankPath]] = []
 
-    def offer(parent: RankPath, value: float) -> None:
-        if len(parent) < depth:
-            for rank, accuracy in enumerate(rank_accuracy[len(parent)]):
-                if value * accuracy > 0:
-                    heapq.heappush(frontier, (-value * accuracy, len(parent) + 1, parent + (rank,)))
+    def offer(parent: RankPath) -> None:
+        for path, value in children(parent):
+            if value > 0:
+                heapq.heappush(frontier, (-value, len(path), path))
 
-    offer((), 1.0)
+    offer(())
     chosen: list[RankPath] = []
     while frontier and len(chosen) < max_nodes:
-        value, _, path = heapq.heappop(frontier)
+        _, _, path = heapq.heappop(frontier)
         chosen.append(path)
-        offer(path, -value)
+        offer(path)
     return chosen
 
 
+def grow_tree_by_accuracy(rank_accuracy: Sequence[Sequence[float]], max_nodes: int) -> list[RankPath]:
+    """``grow_tree`` with depths taken as independent: a path's value is the product of ``rank_accuracy[d][r]`` along it.
+
+    ``rank_accuracy[d][r]`` is how often the guess of rank r at depth d + 1 is the target's
+    token (the Medusa paper's calibration).
+    """
+
+    def children(parent: RankPath) -> Iterable[tuple[RankPath, float]]:
+        if len(parent) >= len(rank_accuracy):
+            return []
+        value = math.prod(rank_accuracy[d][r] for d, r in enumerate(parent))
+        return [(parent + (r,), value * a) for r, a in enumerate(rank_accuracy[len(parent)])]
+
+    return grow_tree(children, max_nodes)
+
+
+def grow_tree_by_frequency(path_counts: Mapping[RankPath, int], max_nodes: int) -> list[RankPath]:
+    """``grow_tree`` with each path's value its measured frequency: how often every guess along it was right together.
+
+    Exact where the independence of ``grow_tree_by_accuracy`` is not: when a head's
+    first guess is right, the next head's usually is too.
+    """
+    below: dict[RankPath, list[RankPath]] = {}
+    for path in path_counts:
+        below.setdefault(path[:-1], []).append(path)
+    return grow_tree(lambda parent: [(p, path_counts[p]) for p in below.get(parent, [])], max_nodes)
+
+
 def expected_accepted_length(paths: Sequence[RankPath], rank_accuracy: Sequence[Sequence[float]]) -> float:
-    """The expected accepted draft tokens of a rank-path tree under ``rank_accuracy`` (see ``grow_tree_by_accuracy``)."""
+    """The expected accepted draft tokens of a rank-path tree with independent depths (``grow_tree_by_accuracy``)."""
     return sum(math.prod(rank_accuracy[d][r] if r < len(rank_accuracy[d]) else 0.0 for d, r in enumerate(p)) for p in paths)
 
 

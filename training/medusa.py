@@ -4,8 +4,11 @@ Head k reads the target's final hidden state at position t and learns the target
 distribution at position t + k (the token t + k + 1): forward KL to it by default, or
 cross-entropy to its greedy token; head k's loss is weighted by ``decay ** (k - 1)``.
 Held-out evaluation reports each head's top-r accuracy against the target's greedy token
-for r = 1 .. ``ranks``; the export turns the last of these into ``calibration.json``,
-from which the proposer grows its tree (``proposers.tree.grow_tree_by_accuracy``).
+for r = 1 .. ``ranks``, and counts how often each path of ranks (head 1's rank-r1 guess,
+head 2's rank-r2 guess, ...) was right all along. The export writes both into
+``calibration.json``, from which the proposer grows its tree by the measured path
+frequencies (``proposers.tree.grow_tree_by_frequency``): the product of per-head
+accuracies (the paper's rule) assumes the heads err independently, and they do not.
 """
 
 from __future__ import annotations
@@ -121,15 +124,62 @@ class MedusaObjective:
                 metrics[f"h{k}_kl"] = plain
                 if not heads.training:  # held-out evaluation: the top-r accuracies (a topk over the vocabulary per head)
                     metrics.update(top_r_accuracy(guess, greedy[:, k:], counted, self.ranks, prefix=f"h{k}_top"))
+        if heads.training:
+            self._counting = False
+        else:
+            self._count_paths(head_logits, greedy, mask)
         return total / weights, metrics
 
+    def _count_paths(self, head_logits: torch.Tensor, greedy: torch.Tensor, mask: torch.Tensor) -> None:
+        """Add this held-out batch's rank tuples to the counts of the current evaluation (a new one starts after training steps).
+
+        Position t's tuple holds, for each head k, the rank of the target's token t + k + 1
+        among head k's top guesses (``ranks`` for none). The export turns the last
+        evaluation's counts into the frequency of every rank path.
+        """
+        heads_count, seq = head_logits.shape[0], mask.shape[1]
+        if seq <= heads_count:
+            return
+        rows = seq - heads_count  # positions where every head has an answer
+        code = torch.zeros(mask.shape[0], rows, dtype=torch.long, device=mask.device)
+        counted = torch.ones_like(code, dtype=torch.bool)
+        with torch.no_grad():
+            for k in range(1, heads_count + 1):
+                top = head_logits[k - 1][:, :rows].topk(self.ranks, dim=-1).indices  # [batch, rows, ranks]
+                hit = top == greedy[:, k : k + rows].unsqueeze(-1)
+                rank = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(code, self.ranks))
+                code += rank * (self.ranks + 1) ** (k - 1)
+                counted &= mask[:, k : k + rows]
+        counts = torch.bincount(code[counted].cpu(), minlength=(self.ranks + 1) ** heads_count)
+        if not getattr(self, "_counting", False):
+            self.path_histogram, self._counting = torch.zeros_like(counts), True
+        self.path_histogram += counts
+
     def export(self, heads: nn.Module, out_dir: Path, tokenizer, dtype: torch.dtype, heldout: dict | None = None) -> None:
-        """The heads in vLLM's layout, and ``calibration.json`` from the last held-out top-r accuracies."""
+        """The heads in vLLM's layout, and ``calibration.json`` from the last held-out evaluation (accuracies, rank-path counts)."""
         heads.save(out_dir, dtype)
         if heldout is None:
             print(f"no held-out data: {out_dir} has no calibration.json, so its proposer config needs tree: [[0], ...] rank paths")
             return
-        write_calibration(out_dir, rank_accuracy(heldout, heads.num_heads, self.ranks), int(heldout.get("tokens", 0)), self.max_nodes)
+        counts = path_counts(self.path_histogram, heads.num_heads, self.ranks) if hasattr(self, "path_histogram") else None
+        accuracy = rank_accuracy(heldout, heads.num_heads, self.ranks)
+        write_calibration(out_dir, accuracy, int(heldout.get("tokens", 0)), self.max_nodes, counts)
+
+
+def path_counts(histogram: torch.Tensor, num_heads: int, ranks: int) -> dict[tuple[int, ...], int]:
+    """Rank tuples counted per code (base ``ranks + 1``, ``ranks`` = no hit) -> how often each rank path was right all along."""
+    counts: dict[tuple[int, ...], int] = {}
+    for code in histogram.nonzero().flatten().tolist():
+        n, digits = int(histogram[code]), []
+        for _ in range(num_heads):
+            code, digit = divmod(code, ranks + 1)
+            digits.append(digit)
+        for depth in range(1, num_heads + 1):
+            if digits[depth - 1] == ranks:
+                break
+            prefix = tuple(digits[:depth])
+            counts[prefix] = counts.get(prefix, 0) + n
+    return counts
 
 
 def top_r_accuracy(guess: torch.Tensor, wanted: torch.Tensor, mask: torch.Tensor, ranks: int, prefix: str) -> dict[str, torch.Tensor]:
@@ -150,3 +200,55 @@ def rank_accuracy(heldout: dict, num_heads: int, ranks: int) -> list[list[float]
         top = [0.0] + [float(heldout.get(f"h{k}_top{r}", 0.0)) for r in range(1, ranks + 1)]
         table.append([round(max(top[r] - top[r - 1], 0.0), 4) for r in range(1, ranks + 1)])
     return table
+
+
+def calibrate(cfg) -> Path:
+    """Measure the heads in the recipe's ``output_dir`` on its eval files and (re)write their ``calibration.json``.
+
+    For heads trained before path counts existed, or elsewhere (a FasterDecoding
+    checkpoint loaded by ``load_heads``): the same held-out evaluation as at the end of
+    training, without training.
+    """
+    from functools import partial
+
+    from torch.utils.data import DataLoader
+
+    from draftsmith.proposers.medusa import CALIBRATION
+
+    from .capture import Capturer
+    from .data import build_dataset, collate, eval_config
+    from .train import heldout_metrics, load_frozen_target, make_accelerator, make_objective, run_dir_of
+
+    if not cfg.data.eval_files:
+        raise InputError("calibration measures the heads on held-out text: give data.eval_files")
+    out = Path(cfg.output_dir)
+    objective = make_objective(cfg)
+    accelerator = make_accelerator(cfg, run_dir_of(cfg))
+    target, tokenizer = load_frozen_target(cfg, accelerator.device)
+    heads = load_heads(out)
+    check_heads_fit(heads, target)
+    heads = heads.to(accelerator.device).eval()
+    rows = build_dataset(eval_config(cfg), cfg.data.eval_files, tokenizer, target, run_dir_of(cfg))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    loader = DataLoader(rows, batch_size=cfg.batch_size, collate_fn=partial(collate, pad_id=pad_id))
+    capturer = Capturer(target, objective.hidden_layers, objective.needs_logits, offline=False)
+    objective.ranks = max(objective.ranks, MIN_RANKS)
+    heldout = heldout_metrics(
+        heads, loader, lambda model, batch: objective.loss(model, batch, capturer(batch)), cfg.eval_batches, accelerator
+    )
+    counts = path_counts(objective.path_histogram, heads.num_heads, objective.ranks)
+    accuracy = rank_accuracy(heldout, heads.num_heads, objective.ranks)
+    write_calibration(out, accuracy, int(heldout["tokens"]), objective.max_nodes, counts)
+    return out / CALIBRATION
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m draftsmith.training.medusa --config RECIPE [key=value ...]``: calibrate the heads in the recipe's output_dir."""
+    from .common import recipe_command
+    from .train import load_config
+
+    recipe_command(argv, calibrate.__doc__.splitlines()[0], load_config, calibrate, lambda path: f"calibration written to {path}")
+
+
+if __name__ == "__main__":
+    main()

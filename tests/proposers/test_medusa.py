@@ -25,9 +25,9 @@ import draftsmith.verify.rejection as rejection
 from draftsmith.proposers import load_proposer
 from draftsmith.proposers.base import InputError, SamplingParams
 from draftsmith.proposers.medusa import MedusaHeads, MedusaProposer, load_heads, write_calibration
-from draftsmith.proposers.tree import cartesian_paths, expected_accepted_length, grow_tree_by_accuracy, static_tree
+from draftsmith.proposers.tree import cartesian_paths, expected_accepted_length, grow_tree_by_accuracy, grow_tree_by_frequency, static_tree
 from draftsmith.training.capture import capture
-from draftsmith.training.medusa import MedusaObjective
+from draftsmith.training.medusa import MedusaObjective, path_counts
 from draftsmith.verify import SpeculativeDecoder
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
@@ -217,6 +217,31 @@ def test_calibrated_tree_is_the_best_tree_for_its_budget(accuracy, budget):
     best = max((expected_accepted_length(t, accuracy) for t in all_trees(3, 3, budget)), default=0.0)
     assert expected_accepted_length(grown, accuracy) == pytest.approx(best, abs=1e-12)
     assert len(grown) <= budget
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(*[st.integers(0, 3)] * 3), min_size=1, max_size=60), st.integers(1, 5))
+def test_frequency_tree_is_the_best_tree_for_its_budget(tuples, budget):
+    """Rank tuples per position (3 = no hit) -> path counts -> the grown tree; brute force finds none better."""
+    histogram = torch.zeros(4**3, dtype=torch.long)
+    for ranks in tuples:
+        histogram[ranks[0] + 4 * ranks[1] + 16 * ranks[2]] += 1
+    counts = path_counts(histogram, num_heads=3, ranks=3)
+    for path, count in counts.items():  # a path is counted where every head along it hit at its rank
+        assert count == sum(all(t[d] == r for d, r in enumerate(path)) for t in tuples)
+    grown = grow_tree_by_frequency(counts, budget)
+    if grown:
+        static_tree(grown)
+    best = max((sum(counts.get(p, 0) for p in t) for t in all_trees(3, 3, budget)), default=0)
+    assert sum(counts[p] for p in grown) == best and len(grown) <= budget
+
+
+def test_frequency_tree_beats_independent_heads_when_their_errors_correlate():
+    """Head 2 is right only when head 1's first guess is: the product rule undervalues (0, 0)."""
+    accuracy = [[0.3, 0.1], [0.3, 0.0]]
+    counts = {(0,): 30, (1,): 10, (0, 0): 30}  # of 100 positions
+    assert grow_tree_by_accuracy(accuracy, 2) == [(0,), (1,)]  # 0.3 + 0.1 expected, 0.4 measured
+    assert grow_tree_by_frequency(counts, 2) == [(0,), (0, 0)]  # 0.3 + 0.3 measured
 
 
 def test_calibrated_tree_prefers_accurate_heads_and_skips_hopeless_nodes():

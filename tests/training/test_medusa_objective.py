@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 
 from draftsmith.proposers import load_proposer
 from draftsmith.proposers.base import InputError
-from draftsmith.proposers.medusa import MedusaHeads
+from draftsmith.proposers.medusa import MedusaHeads, parse_path_counts
+from draftsmith.proposers.tree import grow_tree_by_frequency
 from draftsmith.training.capture import Captured
 from draftsmith.training.medusa import MedusaObjective, rank_accuracy
 from draftsmith.training.train import load_config, run
@@ -84,6 +85,10 @@ def test_recipe_trains_heads_that_draft_losslessly(target_dir, text_file, tmp_pa
         assert tops == sorted(tops) and tops[-1] > 0
     calibration = json.loads((out / "calibration.json").read_text())
     assert len(calibration["rank_accuracy"]) == 3 and len(calibration["tree"]) <= 6
+    # the path counts of the last evaluation agree with its top-1 accuracy: (0,) is head 1's first guess being right
+    first = calibration["path_counts"]["0"] / calibration["tokens"]
+    assert first == pytest.approx(metrics["end"]["h1_top1"], abs=0.05)
+    assert [tuple(p) for p in calibration["tree"]] == grow_tree_by_frequency(parse_path_counts(calibration["path_counts"]), 6)
     proposer = load_proposer({"type": "medusa", "model": str(out)}, target=target)
     assert [list(p) for p in proposer.tree.paths] == sorted(calibration["tree"], key=lambda p: (len(p), p))
     ids = tokenizer("def f3(x):\n    return", return_tensors="pt").input_ids
@@ -116,3 +121,21 @@ def test_pretrained_heads_for_another_target_are_refused(target_dir, text_file, 
     )
     with pytest.raises(InputError, match="hidden size 48, the target's is 32"):
         run(cfg)
+
+
+def test_calibrate_command_rewrites_the_calibration(target_dir, text_file, tmp_path):
+    """``python -m draftsmith.training.medusa``: heads from elsewhere (no calibration.json) get one from the held-out files."""
+    from draftsmith.training.medusa import calibrate
+
+    target, _ = load_target(target_dir)
+    out = tmp_path / "out"
+    MedusaHeads.for_target(target, 3).save(out)
+    cfg = load_config(REPO / "recipes" / "medusa_demo.yaml", medusa_overrides(target_dir, text_file, tmp_path))
+    written = calibrate(cfg)
+    calibration = json.loads(written.read_text())
+    assert calibration["tokens"] > 0 and calibration["path_counts"] and calibration["tree"]
+    assert load_proposer({"type": "medusa", "model": str(out)}, target=target).tree.num_nodes == len(calibration["tree"])
+    with pytest.raises(InputError, match="give data.eval_files"):
+        calibrate(
+            load_config(REPO / "recipes" / "medusa_demo.yaml", medusa_overrides(target_dir, text_file, tmp_path, "data.eval_files=[]"))
+        )
