@@ -41,10 +41,9 @@ from torch import nn
 
 from .base import Draft, InputError, ProposeContext, TargetFeatures, VerifyResult, check_integer, output_vocab_size
 from .cache import PreallocatedLayer
+from .engine import CONFIG, WEIGHTS, EngineExport, check_format, write_export
 from .tree import DraftTree, grow_dynamic_tree, incremental_tree_mask
 
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
 CACHE_HEADROOM = 256
 
 
@@ -509,6 +508,36 @@ class EagleProposer:
 
     def transformers_peer(self) -> None:
         return None  # transformers has no EAGLE
+
+    def export(self, out_dir: str | Path, format: str = "vllm") -> EngineExport:
+        """Write the head in the layout vLLM and SGLang load (its native one), checked tensor by tensor and field by field.
+
+        EAGLE-3's aux layer ids are written in transformers' ``output_hidden_states``
+        numbering, which is vLLM's (id i = the hidden state entering layer i); both
+        ``eagle_config.eagle_aux_hidden_state_layer_ids`` and the top-level field are
+        written. An engine that shifts ids by one when the first is 1 would read such a
+        list differently, so a first id below 2 is refused.
+        """
+        check_format(format, ("vllm", "sglang"), "eagle")
+        cfg = self.cfg
+        if cfg.version == 3 and cfg.aux_layers[0] < 2:
+            raise InputError(f"aux_layers {list(cfg.aux_layers)} start below 2: engines disagree on what id 1 means; retrain with ids >= 2")
+        tensors = self.draft.tensors()
+        if cfg.version == 3 and cfg.draft_vocab_size < cfg.vocab_size and "d2t" not in tensors:
+            raise InputError("a reduced draft vocabulary needs its d2t map: the head has none")
+        path = write_export(out_dir, self.draft.save, tensors, checkpoint_config(cfg))
+        width_nodes = self.max_nodes or self.k * self.tree_width
+        if format == "sglang":
+            spec = {
+                "speculative-algorithm": "EAGLE3" if cfg.version == 3 else "EAGLE",
+                "speculative-draft-model-path": str(path),
+                "speculative-num-steps": self.k,
+                "speculative-eagle-topk": self.tree_width,
+                "speculative-num-draft-tokens": width_nodes + 1,
+            }
+        else:
+            spec = {"method": "eagle3" if cfg.version == 3 else "eagle", "model": str(path), "num_speculative_tokens": self.k}
+        return EngineExport(path, format, spec)
 
     def begin(self, prompt: list[int], features: TargetFeatures | None) -> None:
         self.cache = PreallocatedLayer(len(prompt) + CACHE_HEADROOM)

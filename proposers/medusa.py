@@ -13,15 +13,14 @@ output follows the target's distribution exactly at every temperature. There is 
 "typical acceptance" (the paper's lossy mode).
 
 Checkpoints: the native layout is vLLM's (``config.json`` with ``model_type: medusa``;
-``blocks.{h}.layers.{l}.weight/bias``, ``lm_heads.{h}.weight``), so ``export`` checks and
-copies. FasterDecoding's original layout loads too (``{h}.{l}.linear.weight/bias``,
+``blocks.{h}.layers.{l}.weight/bias``, ``lm_heads.{h}.weight``), so ``export`` writes it
+and checks it (``proposers.engine``). FasterDecoding's original layout loads too (``{h}.{l}.linear.weight/bias``,
 ``{h}.{L}.weight``, ``medusa_num_heads`` / ``medusa_num_layers``).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import warnings
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .base import Draft, InputError, ProposeContext, TargetFeatures, VerifyResult, check_integer, output_vocab_size
+from .engine import EngineExport, check_format, write_export
 from .tree import StaticTree, grow_tree_by_accuracy, grow_tree_by_frequency, static_tree
 
 WEIGHTS = "model.safetensors"
@@ -284,14 +284,20 @@ class MedusaProposer:
         guesses = logits.topk(tree.width, dim=-1).indices.cpu()  # [depth, width]
         return Draft(guesses[tree.depths - 1, tree.ranks], tree.parents)
 
-    def export(self, out_dir: str | Path, format: str = "vllm") -> dict:
-        """Write the heads in an engine's layout (vLLM: the native one) into ``out_dir``; return its ``speculative_config``."""
-        if format != "vllm":
-            raise InputError(f"medusa exports to 'vllm' only, got format {format!r}")
-        export_vllm(self.heads, Path(out_dir))
-        if self.calibration is not None:  # engines ignore it; draftsmith grows the same tree from it
-            (Path(out_dir) / CALIBRATION).write_text(json.dumps(self.calibration, indent=1) + "\n")
-        return {"method": "medusa", "model": str(out_dir), "num_speculative_tokens": self.heads.num_heads}
+    def export(self, out_dir: str | Path, format: str = "vllm") -> EngineExport:
+        """Write the heads in vLLM's Medusa layout (their native one) into ``out_dir``, checked tensor by tensor.
+
+        The calibration goes with them: engines ignore it, draftsmith grows the same tree from it.
+        """
+        check_format(format, ("vllm",), "medusa")
+
+        def write(directory: Path) -> None:
+            self.heads.save(directory)
+            if self.calibration is not None:
+                (directory / CALIBRATION).write_text(json.dumps(self.calibration, indent=1) + "\n")
+
+        path = write_export(out_dir, write, self.heads.state_dict(), self.heads.config())
+        return EngineExport(path, format, {"method": "medusa", "model": str(path), "num_speculative_tokens": self.heads.num_heads})
 
 
 def _last_state(features: TargetFeatures | None) -> torch.Tensor:
@@ -367,33 +373,3 @@ def write_calibration(
         }
     calibration["tree"] = [list(p) for p in grow_calibrated_tree(calibration, max_nodes, len(rank_accuracy))]
     (out_dir / CALIBRATION).write_text(json.dumps(calibration, indent=1) + "\n")
-
-
-# -- export ------------------------------------------------------------------------------
-
-
-def export_vllm(heads: MedusaHeads, out_dir: Path) -> None:
-    """Write vLLM's Medusa layout into ``out_dir`` and read it back: every tensor vLLM loads, with its shape and dtype."""
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise InputError(f"export directory {out_dir} is not empty: give a new or empty directory")
-    staging = out_dir.with_name(f".{out_dir.name}.partial")  # written and checked beside it, then moved in: nothing half-written
-    shutil.rmtree(staging, ignore_errors=True)
-    heads.save(staging)
-    check_export(heads, staging)
-    if out_dir.exists():
-        out_dir.rmdir()
-    staging.rename(out_dir)
-
-
-def check_export(heads: MedusaHeads, out_dir: Path) -> None:
-    """Raise InputError unless ``out_dir`` holds every tensor of ``heads`` under vLLM's names, equal, and its config fields."""
-    config = json.loads((out_dir / "config.json").read_text())
-    for key, value in heads.config().items():
-        if config.get(key) != value:
-            raise InputError(f"exported config {out_dir / 'config.json'}: {key} is {config.get(key)!r}, expected {value!r}")
-    written = load_file(str(out_dir / WEIGHTS))
-    for name, tensor in heads.state_dict().items():
-        if name not in written:
-            raise InputError(f"exported weights {out_dir / WEIGHTS} miss {name}")
-        if written[name].shape != tensor.shape or written[name].dtype != tensor.dtype or not torch.equal(written[name], tensor.cpu()):
-            raise InputError(f"exported weights {out_dir / WEIGHTS}: {name} differs from the heads' tensor")

@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp = commands.add_parser("export", help="write a trained proposer in a serving engine's layout and print how to serve it")
     exp.add_argument("--proposer", required=True, help="proposer config YAML ({type: medusa, model: DIR} ...)")
     exp.add_argument("--output", required=True, help="a new or empty directory for the engine's files")
-    exp.add_argument("--format", default="vllm", help="the engine's layout: vllm (default)")
+    exp.add_argument("--format", default="vllm", help="the engine's layout: vllm (default) or sglang (where the family has one)")
     exp.add_argument("--target", help="the target directory: checks the proposer against it and names it in the serve line")
     exp.set_defaults(run=run_export)
 
@@ -122,12 +122,10 @@ def run_export(args) -> int:
     export = getattr(proposer, "export", None)
     if export is None:
         raise InputError(f"proposer type {config['type']!r} has no engine export yet")
-    speculative_config = export(args.output, format=args.format)
-    target_name = args.target or "<target>"
-    spec = json.dumps(speculative_config)
-    print(f"exported to {args.output}; serve it with:")
-    print(f"  vllm serve {target_name} --speculative-config '{spec}'")
-    print(f"  LLM(model={target_name!r}, speculative_config={speculative_config!r})")
+    exported = export(args.output, format=args.format)
+    print(f"exported to {exported.path}; serve it with:")
+    for command in exported.serve_commands(args.target or "<target>"):
+        print(f"  {command}")
     return 0
 
 

@@ -325,3 +325,120 @@ def test_default_aux_layers():
     assert default_aux_layers(32) == [2, 16, 29] and default_aux_layers(8) == [2, 4, 5] and default_aux_layers(4) == [1, 2, 3]
     with pytest.raises(InputError, match="at least 4 layers"):
         default_aux_layers(3)
+
+
+# ---------------------------------------------------------------------------------------
+# Engine export
+
+EAGLE3_KEYS = {
+    *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+    *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "fc.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+}
+
+
+@pytest.fixture(scope="module")
+def deep_target(make_llama):
+    """Six layers: EAGLE-3's default aux ids [2, 3, 3] collide, so [1, 3, 5]... the export needs ids >= 2: given [2, 3, 5]."""
+    return make_llama(layers=6, seed=7)
+
+
+def eagle3_head(target, aux=(2, 3, 5), draft_vocab_size=96):
+    torch.manual_seed(0)
+    draft = draft_for_target(config_for_target(target, 3, aux_layers=list(aux), draft_vocab_size=draft_vocab_size), target)
+    draft.set_vocabulary(torch.randperm(128, generator=torch.Generator().manual_seed(1))[:draft_vocab_size])
+    return draft
+
+
+@pytest.mark.parametrize("format", ["vllm", "sglang"])
+def test_eagle3_export_has_the_engines_files_and_keys(format, deep_target, tmp_path):
+    proposer = EagleProposer(eagle3_head(deep_target), target=deep_target, k=4, tree_width=2, max_nodes=8)
+    exported = proposer.export(tmp_path / "out", format=format)
+    written = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(written) == EAGLE3_KEYS  # no embed_tokens
+    assert written["fc.weight"].shape == (32, 96) and written["lm_head.weight"].shape == (96, 32)
+    assert written["midlayer.self_attn.q_proj.weight"].shape == (32, 64)  # the doubled input width
+    assert written["d2t"].dtype == torch.int64 and written["t2d"].dtype == torch.bool and written["t2d"].sum() == 96
+    for name, tensor in proposer.draft.tensors().items():
+        assert torch.equal(written[name], tensor), name
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
+    assert (config["num_hidden_layers"], config["vocab_size"], config["draft_vocab_size"], config["target_hidden_size"]) == (1, 128, 96, 32)
+    assert config["eagle_config"] == {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [2, 3, 5]}
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 5]
+    reloaded = EagleProposer(tmp_path / "out", target=deep_target)
+    for name, tensor in proposer.draft.state_dict().items():
+        assert torch.equal(reloaded.draft.state_dict()[name], tensor), name
+    if format == "vllm":
+        assert exported.speculative_config == {"method": "eagle3", "model": str(tmp_path / "out"), "num_speculative_tokens": 4}
+    else:
+        assert exported.speculative_config["speculative-algorithm"] == "EAGLE3"
+        assert "python -m sglang.launch_server --model-path T" in exported.serve_commands("T")[0]
+
+
+def test_the_export_check_catches_a_missing_d2t_or_aux_field(deep_target, tmp_path, monkeypatch):
+    import draftsmith.proposers.eagle as eagle
+
+    proposer = EagleProposer(eagle3_head(deep_target), target=deep_target)
+    real_tensors = proposer.draft.tensors
+    monkeypatch.setattr(proposer.draft, "tensors", lambda: {k: v for k, v in real_tensors().items() if k != "d2t"})
+    with pytest.raises(InputError, match="a reduced draft vocabulary needs its d2t"):
+        proposer.export(tmp_path / "a")
+    monkeypatch.setattr(proposer.draft, "tensors", real_tensors)
+    save = proposer.draft.save  # a writer that drops d2t: the read-back check refuses it and nothing lands
+
+    def save_without_d2t(directory):
+        save(directory)
+        tensors = load_file(str(directory / "model.safetensors"))
+        save_file({k: v for k, v in tensors.items() if k != "d2t"}, str(directory / "model.safetensors"))
+
+    monkeypatch.setattr(proposer.draft, "save", save_without_d2t)
+    with pytest.raises(InputError, match=r"missing \['d2t'\]"):
+        proposer.export(tmp_path / "b")
+    assert not (tmp_path / "b").exists() and not (tmp_path / ".b.partial").exists()
+    monkeypatch.setattr(proposer.draft, "save", save)
+    real_config = eagle.checkpoint_config
+
+    def without_top_level_ids(cfg):
+        config = real_config(cfg)
+        config.pop("eagle_aux_hidden_state_layer_ids")
+        return config
+
+    monkeypatch.setattr(proposer.draft, "save", lambda d, dtype=torch.float32: _save_with(proposer.draft, d, without_top_level_ids))
+    with pytest.raises(InputError, match="eagle_aux_hidden_state_layer_ids is None, expected \\[2, 3, 5\\]"):
+        proposer.export(tmp_path / "c")
+
+
+def _save_with(draft, directory, make_config):
+    from safetensors.torch import save_file as write
+
+    directory.mkdir(parents=True, exist_ok=True)
+    write({k: v.contiguous() for k, v in draft.tensors().items()}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(make_config(draft.cfg)))
+
+
+def test_export_refuses_a_first_aux_id_below_two_and_unknown_formats(deep_target, tmp_path):
+    proposer = EagleProposer(eagle3_head(deep_target, aux=(1, 3, 5)), target=deep_target)
+    with pytest.raises(InputError, match=r"aux_layers \[1, 3, 5\] start below 2"):
+        proposer.export(tmp_path / "x")
+    with pytest.raises(InputError, match=r"exports to \['vllm', 'sglang'\], got format 'onnx'"):
+        proposer.export(tmp_path / "y", format="onnx")
+
+
+def test_eagle1_export_round_trip(targets, drafts, tmp_path):
+    target = targets["llama"]
+    proposer = EagleProposer(drafts("llama", "eagle1"), target=target, k=4)
+    exported = proposer.export(tmp_path / "e1")
+    written = load_file(str(tmp_path / "e1" / "model.safetensors"))
+    assert set(written) == set(proposer.draft.tensors()) and "fc.weight" in written and "layers.0.self_attn.q_proj.weight" in written
+    assert not any(k.startswith(("lm_head", "embed")) for k in written)  # the target's own are used
+    assert exported.speculative_config["method"] == "eagle"
+    for name, tensor in proposer.draft.tensors().items():
+        assert torch.equal(written[name], tensor), name

@@ -58,7 +58,7 @@ def test_export_writes_the_engine_layout_and_prints_the_serve_line(tiny_target_d
     assert main(argv) == 2
     assert "is not empty" in capsys.readouterr().err
     assert main([*argv[:4], str(tmp_path / "other"), "--format", "tensorrt"]) == 2
-    assert "exports to 'vllm' only, got format 'tensorrt'" in capsys.readouterr().err
+    assert "exports to ['vllm'], got format 'tensorrt'" in capsys.readouterr().err
     assert not (tmp_path / "other").exists()
     ngram = tmp_path / "ngram.yaml"
     ngram.write_text(yaml.safe_dump({"type": "ngram"}))
