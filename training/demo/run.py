@@ -99,10 +99,14 @@ def build_domains(
 #: Trained proposers shipped under recipes/: row name -> (directory, the config the demo evaluates it with).
 #: The draft model drafts 6 deep with a confidence threshold of 0.4: measured faster than a
 #: fixed depth 4 on every demo domain (see benchmarks/RESULTS.md). Medusa grows the tree
-#: calibrated when its heads were trained.
+#: calibrated with its heads. EAGLE: the EAGLE-1 head drafts chains (eagle1) and EAGLE-2's
+#: dynamic trees (eagle2); the EAGLE-3 head dynamic trees.
 SHIPPED = {
     "demo_draft": ("demo_draft", {"type": "draft_model", "k": 6, "confidence_threshold": 0.4}),
     "medusa": ("demo_medusa", {"type": "medusa"}),
+    "eagle1": ("demo_eagle1", {"type": "eagle", "k": 5}),
+    "eagle2": ("demo_eagle1", {"type": "eagle", "k": 5, "tree_width": 3, "max_nodes": 16}),
+    "eagle3": ("demo_eagle3", {"type": "eagle", "k": 5, "tree_width": 3, "max_nodes": 16}),
 }
 
 

@@ -36,3 +36,18 @@ def test_quick_demo_end_to_end(tmp_path, monkeypatch):
     # the domains were written from the held-out split of the target's corpus
     sources = {json.loads(line)["source"] for line in open(tmp_path / "demo" / "domains" / "code.jsonl")}
     assert sources
+
+
+def test_shipped_proposers_are_evaluated_when_present_and_fitting(tmp_path, monkeypatch):
+    """Every SHIPPED row whose directory exists with the target's vocabulary is evaluated; others are skipped."""
+    import draftsmith.training.demo.run as demo
+
+    monkeypatch.setattr(demo, "RECIPES", tmp_path)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps({"vocab_size": 300}))
+    for directory, vocab in (("demo_draft", 300), ("demo_medusa", 299), ("demo_eagle1", 300)):
+        (tmp_path / directory).mkdir()
+        (tmp_path / directory / "config.json").write_text(json.dumps({"vocab_size": vocab}))
+    found = demo.trained_drafts(tmp_path / "target")
+    assert sorted(found) == ["demo_draft", "eagle1", "eagle2"]  # medusa: another vocabulary; eagle3: not shipped here
+    assert found["eagle2"] == {"type": "eagle", "k": 5, "tree_width": 3, "max_nodes": 16, "model": str(tmp_path / "demo_eagle1")}
