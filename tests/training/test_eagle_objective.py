@@ -1,0 +1,95 @@
+"""The EAGLE objective through the training loop: EAGLE-3's recipe end to end, offline capture, bad recipe keys."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.proposers import load_proposer
+from draftsmith.proposers.base import InputError
+from draftsmith.proposers.eagle import most_frequent, token_frequencies
+from draftsmith.training.capture import capture_offline
+from draftsmith.training.data import build_dataset
+from draftsmith.training.train import load_config, load_frozen_target, run
+from draftsmith.verify import SpeculativeDecoder, load_target
+
+from tiny_recipe import REPO, recipe_overrides
+
+
+def eagle_overrides(target_dir, text_file, root, *extra):
+    keep = [o for o in recipe_overrides(target_dir, text_file, root) if not o.startswith("draft.")]
+    return [*keep, f"data.eval_files=[{text_file}]", "eval_batches=2", *extra]
+
+
+def eagle3_config(target_dir, text_file, root, *extra):
+    overrides = eagle_overrides(target_dir, text_file, root, "draft.aux_layers=[1,2,3]", "draft.draft_vocab_size=120", "draft.ttt_steps=3")
+    return load_config(REPO / "recipes" / "eagle3_demo.yaml", [*overrides, *extra])
+
+
+def test_eagle3_recipe_trains_a_head_that_drafts_losslessly(deep_target_dir, text_file, tmp_path):
+    before = load_file(str(deep_target_dir / "model.safetensors"))
+    cfg = eagle3_config(deep_target_dir, text_file, tmp_path, "max_steps=25")
+    out = run(cfg)
+    after = load_file(str(deep_target_dir / "model.safetensors"))
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the frozen target was never written
+    metrics = json.loads((out / "heldout_metrics.json").read_text())
+    assert metrics["end"]["loss"] < metrics["start"]["loss"]
+    assert {"acc0", "acc1", "acc2", "kl0", "kl1", "kl2"} <= set(metrics["end"])  # acceptance per unrolled step
+    target, tokenizer = load_target(deep_target_dir)
+    # the draft vocabulary: the 120 most frequent tokens of the training rows
+    rows = build_dataset(cfg, cfg.data.train_files, tokenizer, target, tmp_path / "run")
+    wanted = most_frequent(token_frequencies(rows, 300), 120)
+    written = load_file(str(out / "model.safetensors"))
+    assert torch.equal(torch.arange(120) + written["d2t"], wanted) and int(written["t2d"].sum()) == 120
+    proposer = load_proposer({"type": "eagle", "model": str(out), "tree_width": 2, "max_nodes": 8, "k": 4}, target=target)
+    ids = tokenizer("def f3(x):\n    return", return_tensors="pt").input_ids
+    plain = SpeculativeDecoder(target).generate(ids, max_new_tokens=24)
+    assert SpeculativeDecoder(target, proposer).generate(ids, max_new_tokens=24).new_tokens == plain.new_tokens
+
+
+def test_eagle1_trains_alike_from_online_and_offline_capture(target_dir, text_file, tmp_path):
+    def config(root, *extra):
+        overrides = eagle_overrides(target_dir, text_file, root, "data.eval_files=[]", "max_steps=6", f"capture.dir={root / 'capture'}")
+        return load_config(REPO / "recipes" / "eagle1_demo.yaml", [*overrides, *extra])
+
+    online = run(config(tmp_path / "online"))
+    offline_cfg = config(tmp_path / "offline", "capture.mode=offline")
+    capture_offline(offline_cfg)
+    offline = run(offline_cfg)
+    losses = [
+        [p["train_loss"] for p in json.loads((out / "loss_curve.json").read_text()) if "train_loss" in p] for out in (online, offline)
+    ]
+    assert losses[0] == losses[1] and len(losses[0]) == 6
+    assert losses[0][-1] < losses[0][0]
+
+
+def test_offline_capture_stores_eagle3s_default_aux_layers(deep_target_dir, text_file, tmp_path):
+    """Without aux_layers in the recipe the ids come from the target ([1, 2, 3] for 4 layers) and the capture stores them."""
+    overrides = eagle_overrides(deep_target_dir, text_file, tmp_path, "data.eval_files=[]", f"capture.dir={tmp_path / 'capture'}")
+    cfg = load_config(REPO / "recipes" / "eagle3_demo.yaml", [*overrides, "draft.aux_layers=null", "draft.draft_vocab_size=null"])
+    manifest = capture_offline(cfg)
+    assert manifest["layers"] == [1, 2, 3, 4]  # the aux layers and the final state (for the logits)
+    target, _ = load_frozen_target(cfg, torch.device("cpu"))
+    assert target.config.num_hidden_layers == 4
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("draft.version=2", "draft.version must be 1 or 3, got 2"),
+        ("draft.ttt_steps=0", "draft.ttt_steps must be >= 1"),
+        ("draft.decay=.nan", "draft.decay must be a finite number >= 0"),
+        ("draft.draft_vocab_size=0", "draft.draft_vocab_size must be >= 1"),
+        ("draft.aux_layers=[0,1,5]", r"aux_layers \[0, 1, 5\] must be ascending ids of layer outputs in \[1, 3\]"),
+    ],
+)
+def test_bad_recipe_keys_are_refused(override, message, deep_target_dir, text_file, tmp_path):
+    with pytest.raises(InputError, match=message):
+        run(eagle3_config(deep_target_dir, text_file, tmp_path, override))
+    with pytest.raises(InputError, match="EAGLE-3 keys"):
+        load_config(
+            REPO / "recipes" / "eagle1_demo.yaml", eagle_overrides(deep_target_dir, text_file, tmp_path, "draft.draft_vocab_size=10")
+        )
