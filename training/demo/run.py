@@ -100,13 +100,15 @@ def build_domains(
 #: The draft model drafts 6 deep with a confidence threshold of 0.4: measured faster than a
 #: fixed depth 4 on every demo domain (see benchmarks/RESULTS.md). Medusa grows the tree
 #: calibrated with its heads. EAGLE: the EAGLE-1 head drafts chains (eagle1) and EAGLE-2's
-#: dynamic trees (eagle2); the EAGLE-3 head dynamic trees.
+#: dynamic trees (eagle2); the EAGLE-3 head dynamic trees. A draft layer costs about 0.9 ms
+#: per depth on a CPU core, so they stop at a low draft probability (measured faster than
+#: depth 5 and 16 nodes, at a lower tau: benchmarks/RESULTS.md).
 SHIPPED = {
     "demo_draft": ("demo_draft", {"type": "draft_model", "k": 6, "confidence_threshold": 0.4}),
     "medusa": ("demo_medusa", {"type": "medusa"}),
-    "eagle1": ("demo_eagle1", {"type": "eagle", "k": 5}),
-    "eagle2": ("demo_eagle1", {"type": "eagle", "k": 5, "tree_width": 3, "max_nodes": 16}),
-    "eagle3": ("demo_eagle3", {"type": "eagle", "k": 5, "tree_width": 3, "max_nodes": 16}),
+    "eagle1": ("demo_eagle1", {"type": "eagle", "k": 4, "confidence_threshold": 0.3}),
+    "eagle2": ("demo_eagle1", {"type": "eagle", "k": 4, "tree_width": 2, "max_nodes": 8, "confidence_threshold": 0.2}),
+    "eagle3": ("demo_eagle3", {"type": "eagle", "k": 4, "tree_width": 2, "max_nodes": 8, "confidence_threshold": 0.2}),
 }
 
 

@@ -50,4 +50,4 @@ def test_shipped_proposers_are_evaluated_when_present_and_fitting(tmp_path, monk
         (tmp_path / directory / "config.json").write_text(json.dumps({"vocab_size": vocab}))
     found = demo.trained_drafts(tmp_path / "target")
     assert sorted(found) == ["demo_draft", "eagle1", "eagle2"]  # medusa: another vocabulary; eagle3: not shipped here
-    assert found["eagle2"] == {"type": "eagle", "k": 5, "tree_width": 3, "max_nodes": 16, "model": str(tmp_path / "demo_eagle1")}
+    assert found["eagle2"] == {**demo.SHIPPED["eagle2"][1], "model": str(tmp_path / "demo_eagle1")}
