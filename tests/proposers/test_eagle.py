@@ -195,7 +195,7 @@ def test_greedy_identity_without_fast_paths(targets, drafts):
 # ---------------------------------------------------------------------------------------
 # The sampled output law
 
-N_LAW = 2500
+N_LAW = 2000
 N_CONTROL = 1000
 LAW_CASES = {  # (variant, sample the tree?, sampling): sampled and top-k trees at T = 0.7 and 1, a reduced vocabulary in both
     "eagle3_sampled_t0.7": ("eagle3", True, SamplingParams(0.7)),
