@@ -23,7 +23,7 @@ from harness import run_interleaved  # noqa: E402 (benchmarks/ is the script dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.proposers.medusa import MedusaProposer
-from draftsmith.proposers.tree import cartesian_paths
+from draftsmith.proposers.static_tree import cartesian_paths
 from draftsmith.verify import SpeculativeDecoder
 from draftsmith.verify.evaluation.domains import load_domain
 

@@ -1,4 +1,4 @@
-"""Writing trained heads in a serving engine's layout, checked before anything is moved into place.
+"""Checkpoints of trained heads: read and checked whole, and written in a serving engine's layout.
 
 Engines load what they find and zero-fill or skip the rest without a word, so an export
 is read back and compared tensor by tensor (names, shapes, dtypes, values) and field by
@@ -95,3 +95,16 @@ def check_written(directory: Path, expected: Mapping[str, torch.Tensor], fields:
         got = written[name]
         if got.shape != tensor.shape or got.dtype != tensor.dtype or not torch.equal(got, tensor.detach().cpu()):
             raise InputError(f"exported weights {directory / WEIGHTS}: {name} differs from the trained tensor")
+
+
+def check_tensors(file: Path, found: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], what: str) -> None:
+    """Raise InputError naming ``file`` unless ``found`` holds exactly the tensors of ``expected``, each with its shape."""
+    missing = [name for name in expected if name not in found]
+    if missing:
+        raise InputError(f"{what} weights {file} miss {missing[:4]}")
+    unexpected = sorted(name for name in found if name not in expected)
+    if unexpected:
+        raise InputError(f"{what} weights {file} hold tensors this {what} has not: {unexpected[:4]}")
+    for name, tensor in expected.items():
+        if found[name].shape != tensor.shape:
+            raise InputError(f"{what} weights {file}: {name} has shape {tuple(found[name].shape)}, expected {tuple(tensor.shape)}")

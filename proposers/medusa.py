@@ -6,7 +6,7 @@ guesses the token at t + k + 1: a residual SiLU block (or several) and its own L
 which starts from the target's. The heads' top guesses form a fixed tree of rank paths
 (``medusa_choices``), scored by the verifier in one forward. The tree is given, or grown
 to a node budget from how often each path of guesses was right on held-out text when
-the heads were trained (``calibration.json``, ``proposers.tree.grow_tree_by_frequency``).
+the heads were trained (``calibration.json``, ``proposers.static_tree.grow_tree_by_frequency``).
 
 Every node is a deterministic guess, so the verifier treats it as a point mass and the
 output follows the target's distribution exactly at every temperature. There is no
@@ -30,8 +30,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .base import Draft, InputError, ProposeContext, TargetFeatures, VerifyResult, check_integer, output_vocab_size
-from .engine import EngineExport, check_format, write_export
-from .tree import StaticTree, grow_tree_by_accuracy, grow_tree_by_frequency, static_tree
+from .engine import EngineExport, check_format, check_tensors, write_export
+from .static_tree import StaticTree, grow_tree_by_accuracy, grow_tree_by_frequency, static_tree
 
 WEIGHTS = "model.safetensors"
 CALIBRATION = "calibration.json"
@@ -158,14 +158,7 @@ def load_heads(path: str | Path) -> MedusaHeads:
             f"Medusa weights {weights_file} miss {len(missing)} tensor(s) of the {num_heads} heads {config_file.name} announces "
             f"(first: {missing[0]}; heads with weights: {present})"
         )
-    unexpected = sorted(k for k in tensors if k not in expected)
-    if unexpected:
-        raise InputError(f"Medusa weights {weights_file} hold tensors no head of this config has: {unexpected[:4]}")
-    for name, tensor in expected.items():
-        if tensors[name].shape != tensor.shape:
-            raise InputError(
-                f"Medusa weights {weights_file}: {name} has shape {tuple(tensors[name].shape)}, expected {tuple(tensor.shape)}"
-            )
+    check_tensors(weights_file, tensors, expected, "Medusa")
     heads.load_state_dict({k: v.float() for k, v in tensors.items()})
     return heads.eval()
 

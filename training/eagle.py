@@ -19,6 +19,7 @@ training data.
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.proposers.base import InputError, check_integer, check_real
-from draftsmith.proposers.eagle import EagleDraft, config_for_target, draft_for_target, most_frequent, token_frequencies
+from draftsmith.proposers.eagle_head import EagleDraft, config_for_target, draft_for_target
 
 from .capture import Captured
 from .losses import masked_mean
@@ -205,3 +206,22 @@ def _run_step(draft: EagleDraft, tokens: torch.Tensor, hidden: torch.Tensor, pos
     for s, (_, v_s) in enumerate(keys[1:]):
         attended = attended + weights[..., rows + s : rows + s + 1] * v_s
     return draft.layer.finish(residual, attended)
+
+
+def token_frequencies(rows, vocab_size: int, max_rows: int | None = None) -> torch.Tensor:
+    """``[vocab]`` counts of the token ids in ``rows`` (each ``{"input_ids": [...]}``), for choosing a draft vocabulary."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i, row in enumerate(rows):
+        if max_rows is not None and i >= max_rows:
+            break
+        ids = torch.as_tensor(row["input_ids"], dtype=torch.long).reshape(-1)
+        counts += torch.bincount(ids[(ids >= 0) & (ids < vocab_size)], minlength=vocab_size)
+    return counts
+
+
+def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The ``size`` most frequent token ids (ties to the lower id), ascending."""
+    order = torch.sort(counts, descending=True, stable=True).indices[:size]
+    if counts[order].sum() == 0:
+        warnings.warn("no token counts: the draft vocabulary is the first ids", stacklevel=2)
+    return order.sort().values

@@ -74,6 +74,8 @@ class MedusaObjective:
             raise InputError(f"draft.max_nodes must be >= 1 (the calibrated tree's node budget), got {max_nodes}")
         self.num_heads, self.num_layers, self.pretrained = num_heads, num_layers, pretrained
         self.loss_name, self.decay, self.temperature, self.ranks, self.max_nodes = loss, decay, temperature, ranks, max_nodes
+        self.path_histogram: torch.Tensor | None = None  # rank-tuple counts of the last held-out evaluation
+        self._counting = False  # whether an evaluation is under way (training steps end it)
 
     def check(self, target: nn.Module, tokenizer) -> None:
         if self.pretrained is not None and not Path(self.pretrained).is_dir():
@@ -151,7 +153,7 @@ class MedusaObjective:
                 code += rank * (self.ranks + 1) ** (k - 1)
                 counted &= mask[:, k : k + rows]
         counts = torch.bincount(code[counted].cpu(), minlength=(self.ranks + 1) ** heads_count)
-        if not getattr(self, "_counting", False):
+        if not self._counting:
             self.path_histogram, self._counting = torch.zeros_like(counts), True
         self.path_histogram += counts
 
@@ -161,7 +163,7 @@ class MedusaObjective:
         if heldout is None:
             print(f"no held-out data: {out_dir} has no calibration.json, so its proposer config needs tree: [[0], ...] rank paths")
             return
-        counts = path_counts(self.path_histogram, heads.num_heads, self.ranks) if hasattr(self, "path_histogram") else None
+        counts = path_counts(self.path_histogram, heads.num_heads, self.ranks) if self.path_histogram is not None else None
         accuracy = rank_accuracy(heldout, heads.num_heads, self.ranks)
         write_calibration(out_dir, accuracy, int(heldout.get("tokens", 0)), self.max_nodes, counts)
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from draftsmith.proposers import REGISTRY, load_proposer
 from draftsmith.proposers.base import InputError
 from draftsmith.proposers.config import resolve_type
-from draftsmith.proposers.eagle import config_for_target, draft_for_target
+from draftsmith.proposers.eagle_head import config_for_target, draft_for_target
 from draftsmith.proposers.medusa import MedusaHeads, write_calibration
 from draftsmith.verify import SpeculativeDecoder
 

@@ -12,14 +12,15 @@ import json
 
 import pytest
 import torch
+from heads import fit, greedy_sequences, tiny_neox, tiny_qwen2
 from law import V, exact_law, law_statistics, sample_law
 from safetensors.torch import load_file, save_file
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import draftsmith.verify.rejection as rejection
 from draftsmith.proposers import load_proposer
 from draftsmith.proposers.base import InputError, ProposeContext, SamplingParams
-from draftsmith.proposers.eagle import EagleProposer, config_for_target, default_aux_layers, draft_for_target
+from draftsmith.proposers.eagle import EagleProposer
+from draftsmith.proposers.eagle_head import checkpoint_config, config_for_target, default_aux_layers, draft_for_target
 from draftsmith.training.capture import capture
 from draftsmith.training.eagle import EagleObjective, unrolled_logits
 from draftsmith.verify import SpeculativeDecoder
@@ -33,56 +34,15 @@ VARIANTS = {  # name -> (version, draft_vocab_size, proposer keys)
 }
 
 
-def greedy_sequences(target, count: int = 16, new: int = 44, seed: int = 0) -> torch.Tensor:
-    vocab = target.get_output_embeddings().weight.shape[0]
-    prompts = torch.randint(3, vocab, (count, 4), generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        return target.generate(prompts, max_new_tokens=new, do_sample=False, pad_token_id=0)
-
-
 def fit_draft(target, version: int, draft_vocab_size: int | None = None, steps: int = 120):
     """A draft fitted by the EAGLE objective's own loss to the target's greedy continuations."""
-    sequences = greedy_sequences(target)
     objective = EagleObjective(version=version, draft_vocab_size=draft_vocab_size, ttt_steps=3)
-    torch.manual_seed(0)
-    draft = objective.build(target, None, [{"input_ids": row} for row in sequences.tolist()])
-    captured = capture(target, sequences, objective.hidden_layers, True)
-    batch = {"input_ids": sequences, "loss_mask": torch.ones_like(sequences, dtype=torch.bool)}
-    optimizer = torch.optim.Adam(draft.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss, _ = objective.loss(draft, batch, captured)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return draft.eval()
-
-
-def sharpened(model):
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
-    return model.eval()
-
-
-def tiny_qwen2():
-    torch.manual_seed(1)
-    config = Qwen2Config(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512,
-    )  # fmt: skip
-    return sharpened(Qwen2ForCausalLM(config))
-
-
-def tiny_neox():
-    torch.manual_seed(2)
-    config = GPTNeoXConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=512
-    )
-    return sharpened(GPTNeoXForCausalLM(config))
+    return fit(objective, target, greedy_sequences(target), lr=3e-3, steps=steps, build_seed=0)
 
 
 @pytest.fixture(scope="module")
 def targets(make_llama):
-    return {"llama": make_llama(layers=4), "qwen2": tiny_qwen2(), "gpt_neox": tiny_neox()}
+    return {"llama": make_llama(layers=4), "qwen2": tiny_qwen2(layers=4), "gpt_neox": tiny_neox(layers=4)}
 
 
 @pytest.fixture(scope="module")
@@ -384,8 +344,6 @@ def test_eagle3_export_has_the_engines_files_and_keys(format, deep_target, tmp_p
 
 
 def test_the_export_check_catches_a_missing_d2t_or_aux_field(deep_target, tmp_path, monkeypatch):
-    import draftsmith.proposers.eagle as eagle
-
     proposer = EagleProposer(eagle3_head(deep_target), target=deep_target)
     real_tensors = proposer.draft.tensors
     monkeypatch.setattr(proposer.draft, "tensors", lambda: {k: v for k, v in real_tensors().items() if k != "d2t"})
@@ -404,7 +362,7 @@ def test_the_export_check_catches_a_missing_d2t_or_aux_field(deep_target, tmp_pa
         proposer.export(tmp_path / "b")
     assert not (tmp_path / "b").exists() and not (tmp_path / ".b.partial").exists()
     monkeypatch.setattr(proposer.draft, "save", save)
-    real_config = eagle.checkpoint_config
+    real_config = checkpoint_config
 
     def without_top_level_ids(cfg):
         config = real_config(cfg)

@@ -15,18 +15,23 @@ import json
 import pytest
 import torch
 from bad_input import assert_one_line_naming
+from heads import fit, greedy_sequences, tiny_neox, tiny_qwen2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from law import V, exact_law, law_statistics, sample_law
 from safetensors.torch import load_file, save_file
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import draftsmith.verify.rejection as rejection
 from draftsmith.proposers import load_proposer
 from draftsmith.proposers.base import InputError, SamplingParams
 from draftsmith.proposers.medusa import MedusaHeads, MedusaProposer, load_heads, write_calibration
-from draftsmith.proposers.tree import cartesian_paths, expected_accepted_length, grow_tree_by_accuracy, grow_tree_by_frequency, static_tree
-from draftsmith.training.capture import capture
+from draftsmith.proposers.static_tree import (
+    cartesian_paths,
+    expected_accepted_length,
+    grow_tree_by_accuracy,
+    grow_tree_by_frequency,
+    static_tree,
+)
 from draftsmith.training.medusa import MedusaObjective, path_counts
 from draftsmith.verify import SpeculativeDecoder
 
@@ -36,50 +41,13 @@ PROMPTS = [[5, 9, 17, 33, 5, 9, 17], [3, 3, 3, 3], [100, 7, 64, 2, 90], [11, 12,
 
 def fit_heads(target, num_heads: int = 3, steps: int = 150, seed: int = 0) -> MedusaHeads:
     """Heads fitted by the Medusa objective's own loss to the target's greedy continuations of random prompts."""
-    vocab = target.get_output_embeddings().weight.shape[0]
-    prompts = torch.randint(3, vocab, (16, 4), generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        sequences = target.generate(prompts, max_new_tokens=44, do_sample=False, pad_token_id=0)
-    objective = MedusaObjective(num_heads=num_heads)
-    heads = objective.build(target, None)
-    captured = capture(target, sequences, (-1,), True)
-    batch = {"input_ids": sequences, "loss_mask": torch.ones_like(sequences, dtype=torch.bool)}
-    optimizer = torch.optim.Adam(heads.parameters(), lr=1e-2)
-    for _ in range(steps):
-        loss, _ = objective.loss(heads, batch, captured)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return heads.eval()
-
-
-def sharpened(model):
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
-    return model.eval()
-
-
-def tiny_qwen2():
-    torch.manual_seed(1)
-    config = Qwen2Config(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512,
-    )  # fmt: skip
-    return sharpened(Qwen2ForCausalLM(config))
-
-
-def tiny_neox():
-    torch.manual_seed(2)
-    config = GPTNeoXConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512
-    )
-    return sharpened(GPTNeoXForCausalLM(config))
+    return fit(MedusaObjective(num_heads=num_heads), target, greedy_sequences(target, seed=seed), lr=1e-2, steps=steps)
 
 
 @pytest.fixture(scope="module")
 def architectures(make_llama):
     """Llama, Qwen2 and GPT-NeoX targets (the last has no lean forward: hidden states come from the model's own), each with fitted heads."""
-    targets = {"llama": make_llama(), "qwen2": tiny_qwen2(), "gpt_neox": tiny_neox()}
+    targets = {"llama": make_llama(), "qwen2": tiny_qwen2(layers=2), "gpt_neox": tiny_neox(layers=2)}
     return {name: (target, fit_heads(target)) for name, target in targets.items()}
 
 

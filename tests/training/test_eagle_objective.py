@@ -10,9 +10,9 @@ from safetensors.torch import load_file
 
 from draftsmith.proposers import load_proposer
 from draftsmith.proposers.base import InputError
-from draftsmith.proposers.eagle import most_frequent, token_frequencies
 from draftsmith.training.capture import capture_offline
 from draftsmith.training.data import build_dataset
+from draftsmith.training.eagle import most_frequent, token_frequencies
 from draftsmith.training.train import load_config, load_frozen_target, run
 from draftsmith.verify import SpeculativeDecoder, load_target
 

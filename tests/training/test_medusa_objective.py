@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from draftsmith.proposers import load_proposer
 from draftsmith.proposers.base import InputError
 from draftsmith.proposers.medusa import MedusaHeads, parse_path_counts
-from draftsmith.proposers.tree import grow_tree_by_frequency
+from draftsmith.proposers.static_tree import grow_tree_by_frequency
 from draftsmith.training.capture import Captured
 from draftsmith.training.medusa import MedusaObjective, rank_accuracy
 from draftsmith.training.train import load_config, run

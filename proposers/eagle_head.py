@@ -1,0 +1,416 @@
+"""The EAGLE draft head: its shape, its decoder layer, its checkpoints (``proposers.eagle`` drafts with it).
+
+Everything here is the module itself, shared by the proposer and ``training.eagle``: the
+config (``EagleConfig``), a Llama-style layer with an explicit mask and cache, ``fc``,
+EAGLE-3's norm / LM head / vocabulary maps, and the checkpoint layout vLLM and SGLang
+load (no embedding; EAGLE-1 has no LM head: both are the target's).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .base import InputError, output_vocab_size
+from .cache import PreallocatedLayer
+from .engine import CONFIG, WEIGHTS, check_tensors
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """The shape of an EAGLE draft (stored in ``config.json`` under ``draftsmith_eagle``).
+
+    Args:
+        version: 1 (EAGLE-1 / -2 head) or 3.
+        hidden_size: the draft layer's width: the target's hidden size.
+        target_hidden_size: the width of each target feature.
+        target_num_layers: the target's decoder layers (aux ids are checked against it).
+        aux_layers: the target layers read (``output_hidden_states`` ids; EAGLE-1: ``[-1]``).
+        vocab_size: the target's vocabulary.
+        draft_vocab_size: the draft LM head's vocabulary (EAGLE-3; EAGLE-1 uses the target's).
+        num_heads, num_kv_heads, head_dim, intermediate_size: the layer's attention and MLP.
+        rms_norm_eps, rope_theta: as the target's.
+    """
+
+    version: int
+    hidden_size: int
+    target_hidden_size: int
+    target_num_layers: int
+    aux_layers: list[int]
+    vocab_size: int
+    draft_vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        if self.version not in (1, 3):
+            raise InputError(f"EAGLE version must be 1 or 3, got {self.version!r}")
+        if self.version == 1 and list(self.aux_layers) != [-1]:
+            raise InputError(f"EAGLE-1 reads the target's final state (aux_layers [-1]), got {list(self.aux_layers)}")
+        if self.version == 3:
+            check_aux_layers(self.aux_layers, self.target_num_layers)
+        if self.num_heads % self.num_kv_heads:
+            raise InputError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise InputError(f"draft_vocab_size must be in [1, {self.vocab_size}] (the target's vocabulary), got {self.draft_vocab_size}")
+        if self.version == 1 and self.draft_vocab_size != self.vocab_size:
+            raise InputError("EAGLE-1 scores with the target's LM head: draft_vocab_size must equal vocab_size")
+
+
+def check_aux_layers(aux_layers, num_layers: int) -> None:
+    """Raise InputError unless ``aux_layers`` are three distinct ids of layer outputs 1 .. num_layers - 1 (ascending)."""
+    ids = list(aux_layers)
+    if len(ids) != 3 or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise InputError(f"aux_layers must be three layer ids (low, mid, high), got {ids!r}")
+    if not all(1 <= i < num_layers for i in ids) or sorted(set(ids)) != ids:
+        raise InputError(
+            f"aux_layers {ids} must be ascending ids of layer outputs in [1, {num_layers - 1}] "
+            f"(output_hidden_states numbering; the target has {num_layers} layers)"
+        )
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low / mid / high layers: ``[2, N // 2, N - 3]``; for shallow targets where those collide, ``[1, N // 2, N - 1]``."""
+    for ids in ([2, num_layers // 2, num_layers - 3], [1, num_layers // 2, num_layers - 1]):
+        if all(1 <= i < num_layers for i in ids) and sorted(set(ids)) == ids:
+            return ids
+    raise InputError(f"a target of {num_layers} layers has no three distinct aux layers (EAGLE-3 needs at least 4 layers)")
+
+
+# -- the draft layer -------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # in float32 (no-ops for a float32 draft), the weight applied inside the kernel: one op instead of four
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (Su et al. 2021) of ``x`` ``[..., m, d]`` with ``cos`` / ``sin`` ``[m, d]`` (halves rotated)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, input_width: int, hidden: int, heads: int, kv_heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(input_width, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(input_width, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(input_width, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` ``[batch, m, width]`` -> rotated q ``[batch, heads, m, d]``, k and v ``[batch, kv_heads, m, d]``."""
+        batch, m, _ = x.shape
+        q = self.q_proj(x).view(batch, m, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, m, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, m, self.kv_heads, self.head_dim).transpose(1, 2)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def out(self, attended: torch.Tensor) -> torch.Tensor:
+        """``[batch, heads, m, d]`` -> ``[batch, m, hidden]``."""
+        batch, _, m, _ = attended.shape
+        return self.o_proj(attended.transpose(1, 2).reshape(batch, m, self.heads * self.head_dim))
+
+    def expand_kv(self, t: torch.Tensor) -> torch.Tensor:
+        repeat = self.heads // self.kv_heads
+        return t if repeat == 1 else t.repeat_interleave(repeat, dim=1)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """One Llama-style decoder layer; EAGLE-3's reads ``concat(input_layernorm(embeds), hidden_norm(hidden))``.
+
+    EAGLE-1's has no input norm (the first layer of EAGLE's draft skips it); its input is
+    the ``fc`` output, which is also its residual.
+    """
+
+    def __init__(self, cfg: EagleConfig):
+        super().__init__()
+        width = 2 * cfg.hidden_size if cfg.version == 3 else cfg.hidden_size
+        self.self_attn = Attention(width, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.version == 3:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eagle3 = cfg.version == 3
+
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1) if self.eagle3 else hidden
+
+    def finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, MLP: ``[batch, m, hidden]``."""
+        hidden = residual + self.self_attn.out(attended)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class EagleDraft(nn.Module):
+    """An EAGLE draft: ``fc``, one ``DraftLayer``, and (EAGLE-3) its norm, LM head and vocabulary maps.
+
+    Args:
+        cfg: its shape.
+        embed_weight: the target's input embedding ``[vocab, hidden]`` (shared, not a parameter).
+        lm_head_weight: the target's LM head ``[vocab, hidden]`` (EAGLE-1 only; shared, not a parameter).
+    """
+
+    def __init__(self, cfg: EagleConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None):
+        super().__init__()
+        self.cfg = cfg
+        fc_in = 2 * cfg.hidden_size if cfg.version == 1 else 3 * cfg.target_hidden_size
+        self.fc = nn.Linear(fc_in, cfg.hidden_size, bias=False)
+        self.layer = DraftLayer(cfg)
+        self.shared = {"embed": embed_weight.detach(), "lm_head": lm_head_weight.detach() if lm_head_weight is not None else None}
+        if cfg.version == 3:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+            # the identity map until set_vocabulary chooses the draft's tokens
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.arange(cfg.vocab_size) < cfg.draft_vocab_size)
+        self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # -- vocabulary ----------------------------------------------------------------------
+
+    def set_vocabulary(self, target_ids: torch.Tensor) -> None:
+        """Use the target tokens ``target_ids`` ``[draft_vocab]`` (ascending) as the draft vocabulary: fills ``d2t`` and ``t2d``."""
+        target_ids = torch.as_tensor(target_ids, dtype=torch.long).sort().values
+        assert target_ids.shape == (self.cfg.draft_vocab_size,)
+        self.d2t.copy_(target_ids - torch.arange(self.cfg.draft_vocab_size))
+        self.t2d.zero_()
+        self.t2d[target_ids] = True
+
+    def draft_to_target(self) -> torch.Tensor:
+        """``[draft_vocab]`` the target id of each draft id (``draft id + d2t``)."""
+        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    # -- pieces --------------------------------------------------------------------------
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.shared["embed"])
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3: the concatenated aux features ``[..., 3 * target_hidden]`` -> ``[..., hidden]``; EAGLE-1: unchanged."""
+        return self.fc(features) if self.cfg.version == 3 else features
+
+    def layer_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention input, residual) of a step from token embeddings and features ``[batch, m, hidden]``."""
+        if self.cfg.version == 1:
+            x = self.fc(torch.cat([embeds, hidden], dim=-1))
+            return x, x
+        return self.layer.attention_input(embeds, hidden), hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits ``[..., draft_vocab]`` of layer outputs (EAGLE-1: the target's LM head on them directly)."""
+        if self.cfg.version == 1:
+            return F.linear(hidden, self.shared["lm_head"])
+        return self.lm_head(self.norm(hidden))
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin ``[m, head_dim]`` of ``positions`` ``[m]`` (a table doubled as needed)."""
+        bound = int(positions.max()) + 1 if positions.numel() else 1
+        if self._rotary is None or self._rotary[0].shape[0] < bound:
+            size = max(bound, 2 * self._rotary[0].shape[0] if self._rotary is not None else 512)
+            dim = self.cfg.head_dim
+            inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+            angles = torch.outer(torch.arange(size, dtype=torch.float32), inv)
+            angles = torch.cat([angles, angles], dim=-1)
+            self._rotary = (angles.cos(), angles.sin())
+        cos, sin = self._rotary
+        device = self.fc.weight.device
+        return cos.to(device).index_select(0, positions), sin.to(device).index_select(0, positions)
+
+    def step(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: PreallocatedLayer, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One inference step after the cache: outputs ``[1, m, hidden]``.
+
+        Args:
+            tokens: ``[1, m]``; hidden: ``[1, m, hidden]`` features; positions: ``[m]``.
+            mask: additive ``[1, 1, m, cached + m]``; None is causal over the new rows.
+        """
+        x, residual = self.layer_input(self.embed(tokens), hidden)
+        cos, sin = self.rotary(positions)
+        attn = self.layer.self_attn
+        q, k, v = attn.qkv(x, cos, sin)
+        keys, values = cache.update(k, v)
+        keys, values = attn.expand_kv(keys), attn.expand_kv(values)
+        if mask is None and q.shape[2] > 1:
+            past = keys.shape[2] - q.shape[2]
+            mask = torch.zeros(q.shape[2], keys.shape[2], dtype=q.dtype, device=q.device)
+            mask[:, past:] = torch.full((q.shape[2], q.shape[2]), float("-inf"), device=q.device).triu(1)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.layer.finish(residual, attended)
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The draft's own tensors under the names its checkpoint uses (EAGLE-3: ``midlayer.*``; EAGLE-1: ``layers.0.*``)."""
+        prefix = "midlayer." if self.cfg.version == 3 else "layers.0."
+        out = {}
+        for name, tensor in self.state_dict().items():
+            if tensor is None:
+                continue
+            out[prefix + name.removeprefix("layer.") if name.startswith("layer.") else name] = tensor
+        return out
+
+    def save(self, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> None:
+        """Write ``config.json`` and ``model.safetensors`` (no embedding; EAGLE-1: no LM head) into ``out_dir``."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.tensors().items()}
+        save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": "pt"})
+        (out_dir / CONFIG).write_text(json.dumps(checkpoint_config(self.cfg), indent=1) + "\n")
+
+
+def checkpoint_config(cfg: EagleConfig) -> dict:
+    """``config.json``: Llama fields an engine reads, the EAGLE-3 fields vLLM / SGLang read, and draftsmith's own copy of the shape."""
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3" if cfg.version == 3 else "EagleLlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "vocab_size": cfg.vocab_size,
+        "draftsmith_eagle": asdict(cfg),
+    }
+    if cfg.version == 3:
+        config |= {
+            "draft_vocab_size": cfg.draft_vocab_size,
+            "target_hidden_size": cfg.target_hidden_size,
+            "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers)},
+            "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),
+        }
+    return config
+
+
+def load_draft(path: str | Path, target: nn.Module) -> EagleDraft:
+    """Load an EAGLE draft written by ``EagleDraft.save`` for ``target``; a bad file or another target's head is one InputError line."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"EAGLE draft directory {path} does not exist (no hub downloads: give a local directory)")
+    config_file = path / CONFIG
+    try:
+        values = json.loads(config_file.read_text(encoding="utf-8"))["draftsmith_eagle"]
+        cfg = EagleConfig(**values)
+    except FileNotFoundError:
+        raise InputError(f"EAGLE draft directory {path} has no config.json") from None
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise InputError(f"EAGLE config {config_file} cannot be used: {error}") from error
+    check_fits_target(cfg, target)
+    draft = draft_for_target(cfg, target)
+    try:
+        tensors = load_file(str(path / WEIGHTS))
+    except (OSError, SafetensorError) as error:
+        raise InputError(f"EAGLE weights {path / WEIGHTS} cannot be read (missing, truncated or corrupt): {error}") from error
+    check_tensors(path / WEIGHTS, tensors, draft.tensors(), "EAGLE")
+    renamed = {}
+    for name, tensor in tensors.items():
+        for prefix in ("midlayer.", "layers.0."):
+            if name.startswith(prefix):
+                name = "layer." + name.removeprefix(prefix)
+        renamed[name] = tensor.float() if tensor.is_floating_point() else tensor
+    draft.load_state_dict(renamed)
+    if cfg.version == 3:
+        check_vocabulary_maps(draft, path / WEIGHTS)
+    return draft.eval()
+
+
+def check_vocabulary_maps(draft: EagleDraft, where) -> None:
+    """Raise InputError unless ``d2t`` maps the draft vocabulary onto distinct target ids and ``t2d`` marks exactly them."""
+    cfg = draft.cfg
+    if draft.d2t.shape != (cfg.draft_vocab_size,) or draft.t2d.shape != (cfg.vocab_size,):
+        raise InputError(f"{where}: d2t must have {cfg.draft_vocab_size} entries and t2d {cfg.vocab_size}")
+    ids = draft.draft_to_target()
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size or ids.unique().numel() != ids.numel():
+        raise InputError(f"{where}: d2t maps draft ids outside [0, {cfg.vocab_size}) or onto the same target id twice")
+    if int(draft.t2d.sum()) != cfg.draft_vocab_size or not bool(draft.t2d[ids].all()):
+        raise InputError(f"{where}: t2d does not mark exactly the target ids d2t maps to")
+
+
+def check_fits_target(cfg: EagleConfig, target: nn.Module) -> None:
+    """Raise InputError unless a draft of shape ``cfg`` reads ``target``'s features and scores its vocabulary."""
+    tc = target.config
+    for what, mine, theirs in (
+        ("hidden size", cfg.target_hidden_size, getattr(tc, "hidden_size", None)),
+        ("number of layers", cfg.target_num_layers, getattr(tc, "num_hidden_layers", None)),
+        ("vocabulary", cfg.vocab_size, output_vocab_size(target)),
+    ):
+        if theirs is not None and mine != theirs:
+            raise InputError(
+                f"EAGLE draft was trained for a target of {what} {mine}, this target's is {theirs}: it is another target's head"
+            )
+
+
+def draft_for_target(cfg: EagleConfig, target: nn.Module) -> EagleDraft:
+    """A draft of shape ``cfg`` sharing ``target``'s embedding (and, for EAGLE-1, its LM head)."""
+    lm_head = target.get_output_embeddings().weight if cfg.version == 1 else None
+    draft = EagleDraft(cfg, target.get_input_embeddings().weight, lm_head)
+    return draft.to(target.device)
+
+
+def config_for_target(
+    target: nn.Module,
+    version: int,
+    aux_layers: list[int] | None = None,
+    draft_vocab_size: int | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    intermediate_size: int | None = None,
+) -> EagleConfig:
+    """The EAGLE shape for ``target``: its hidden size, positions' rotary, heads and vocabulary unless given."""
+    tc = target.config
+    hidden = tc.hidden_size
+    heads = num_heads or tc.num_attention_heads
+    vocab = output_vocab_size(target)
+    rope = getattr(tc, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
+    layers = int(tc.num_hidden_layers)
+    return EagleConfig(
+        version=version,
+        hidden_size=hidden,
+        target_hidden_size=hidden,
+        target_num_layers=layers,
+        aux_layers=[-1] if version == 1 else list(aux_layers or default_aux_layers(layers)),
+        vocab_size=vocab,
+        draft_vocab_size=vocab if version == 1 else (draft_vocab_size or vocab),
+        num_heads=heads,
+        num_kv_heads=num_kv_heads or getattr(tc, "num_key_value_heads", None) or heads,
+        head_dim=getattr(tc, "head_dim", None) or hidden // heads,
+        intermediate_size=intermediate_size or getattr(tc, "intermediate_size", 4 * hidden),
+        rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+    )
