@@ -7,7 +7,7 @@ Held-out evaluation reports each head's top-r accuracy against the target's gree
 for r = 1 .. ``ranks``, and counts how often each path of ranks (head 1's rank-r1 guess,
 head 2's rank-r2 guess, ...) was right all along. The export writes both into
 ``calibration.json``, from which the proposer grows its tree by the measured path
-frequencies (``proposers.tree.grow_tree_by_frequency``): the product of per-head
+frequencies (``proposers.static_tree.grow_tree_by_frequency``): the product of per-head
 accuracies (the paper's rule) assumes the heads err independently, and they do not.
 """
 
