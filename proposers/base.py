@@ -139,11 +139,14 @@ class Draft:
             the siblings drawn before it: a proposer that samples siblings without
             replacement stores the renormalised remainder. None means a deterministic
             proposal (lookup, top-k children): the verifier treats each node as a point mass.
+        source: which proposer drafted it, when one proposer holds several (a composite's
+            member); the decoder counts steps and accepted tokens per source.
     """
 
     token_ids: torch.Tensor
     parents: torch.Tensor
     draft_probs: torch.Tensor | None = None
+    source: str | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -154,10 +157,10 @@ class Draft:
         return _EMPTY_DRAFT
 
     @staticmethod
-    def chain(token_ids: list[int] | torch.Tensor, draft_probs: torch.Tensor | None = None) -> Draft:
+    def chain(token_ids: list[int] | torch.Tensor, draft_probs: torch.Tensor | None = None, source: str | None = None) -> Draft:
         """A linear draft: node i's parent is node i - 1."""
         token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
-        return Draft(token_ids, torch.arange(-1, token_ids.shape[0] - 1), draft_probs)
+        return Draft(token_ids, torch.arange(-1, token_ids.shape[0] - 1), draft_probs, source)
 
     def is_chain(self) -> bool:
         """Whether node i's parent is i - 1 for every node (computed once per draft)."""

@@ -38,10 +38,12 @@ REGISTRY: dict[str, str] = {
     "draft_model": "draftsmith.proposers.draft_model:DraftModelProposer",
     "medusa": "draftsmith.proposers.medusa:MedusaProposer",
     "eagle": "draftsmith.proposers.eagle:EagleProposer",
+    "suffix": "draftsmith.proposers.suffix:SuffixProposer",
+    "composite": "draftsmith.proposers.composite:CompositeProposer",
 }
 
 
-def load_proposer(config: Mapping[str, Any] | str | Path, target=None) -> Proposer:
+def load_proposer(config: Mapping[str, Any] | str | Path, target=None, tokenizer=None) -> Proposer:
     """Build the proposer a config describes.
 
     Args:
@@ -49,11 +51,13 @@ def load_proposer(config: Mapping[str, Any] | str | Path, target=None) -> Propos
             holding that mapping.
         target: the target model, passed to constructors that take a ``target`` argument
             (vocabulary checks, hidden sizes); it is not a config key.
+        tokenizer: the target's tokenizer, passed to constructors that take a ``tokenizer``
+            argument (a saved suffix store's check); not a config key either.
     """
     values = read_config(config, what="proposer config")
     cls = resolve_type(values, REGISTRY, "proposer")
     where = f"proposer type {values['type']!r}"
-    return build(cls, {k: v for k, v in values.items() if k != "type"}, where, inject={"target": target})
+    return build(cls, {k: v for k, v in values.items() if k != "type"}, where, inject={"target": target, "tokenizer": tokenizer})
 
 
 def resolve_type(values: Mapping[str, Any], registry: Mapping[str, str | type], what: str):

@@ -8,9 +8,8 @@ tree that the verifier scores in one forward.
 
 from __future__ import annotations
 
-import torch
-
 from .base import Draft, InputError, ProposeContext, TargetFeatures, TransformersPeer, VerifyResult
+from .tree import merge_drafts
 
 
 class NgramProposer:
@@ -60,7 +59,7 @@ class NgramProposer:
             return Draft.empty()
         if self.branches == 1:
             return Draft.chain(continuations[0])
-        return _merge_into_tree(continuations, self.max_nodes)
+        return merge_drafts([Draft.chain(c) for c in continuations], self.max_nodes)
 
     def _update_index(self, tokens: list[int]) -> None:
         """Index every n-gram that has at least one token after it (so not the current suffix)."""
@@ -93,23 +92,3 @@ def _copy(tokens: list[int], start: int, depth: int) -> list[int]:
     while len(out) < depth:
         out.append(out[len(out) - period])
     return out
-
-
-def _merge_into_tree(continuations: list[list[int]], max_nodes: int) -> Draft:
-    """A trie of the continuations (shared prefixes merged), parents before children."""
-    token_ids: list[int] = []
-    parents: list[int] = []
-    child_of: dict[tuple[int, int], int] = {}
-    for continuation in continuations:
-        node = -1
-        for token in continuation:
-            nxt = child_of.get((node, token))
-            if nxt is None:
-                if len(token_ids) == max_nodes:
-                    break
-                nxt = len(token_ids)
-                child_of[(node, token)] = nxt
-                token_ids.append(token)
-                parents.append(node)
-            node = nxt
-    return Draft(torch.tensor(token_ids, dtype=torch.long), torch.tensor(parents, dtype=torch.long))

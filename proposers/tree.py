@@ -116,7 +116,31 @@ def keep_nodes(draft: Draft, keep: list[int]) -> Draft:
     new_parents = torch.tensor([new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep], dtype=torch.long)
     keep_t = torch.tensor(keep, dtype=torch.long)
     probs = draft.draft_probs.index_select(0, keep_t) if draft.draft_probs is not None else None
-    return Draft(draft.token_ids.index_select(0, keep_t), new_parents, probs)
+    return Draft(draft.token_ids.index_select(0, keep_t), new_parents, probs, draft.source)
+
+
+def merge_drafts(drafts: list[Draft], max_nodes: int, source: str | None = None) -> Draft:
+    """The union of several trees as one trie (equal token paths merged), earlier drafts first, at most ``max_nodes`` nodes.
+
+    Every node becomes a point mass (``draft_probs`` None): a token verified as a point
+    mass keeps the target's law however it was chosen, so the union stays exact even
+    when a member sampled its tokens (its acceptance is then p(x) instead of min(1, p/q)).
+    A node is kept only when its parent was.
+    """
+    token_ids: list[int] = []
+    parents: list[int] = []
+    child_of: dict[tuple[int, int], int] = {}
+    for draft in drafts:
+        where: list[int] = []  # this draft's node -> merged node (-2: dropped)
+        for token, parent in zip(draft.token_ids.tolist(), draft.parent_list, strict=True):
+            merged_parent = where[parent] if parent >= 0 else -1
+            node = child_of.get((merged_parent, token), -2) if merged_parent != -2 else -2
+            if node == -2 and merged_parent != -2 and len(token_ids) < max_nodes:
+                node = child_of[(merged_parent, token)] = len(token_ids)
+                token_ids.append(token)
+                parents.append(merged_parent)
+            where.append(node)
+    return Draft(torch.tensor(token_ids, dtype=torch.long), torch.tensor(parents, dtype=torch.long), None, source)
 
 
 # -- attention masks and positions -------------------------------------------------------

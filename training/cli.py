@@ -79,7 +79,7 @@ def run_generate(args) -> int:
 
     check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)  # before loading anything
     model, tokenizer = load_target(args.target)
-    proposer = load_proposer(args.proposer, target=model) if args.proposer else None
+    proposer = load_proposer(args.proposer, target=model, tokenizer=tokenizer) if args.proposer else None
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     result = SpeculativeDecoder(model, proposer, compile_forward=args.compile).generate(
         input_ids,

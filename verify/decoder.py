@@ -173,7 +173,7 @@ class SpeculativeDecoder:
             emitted = _extend(tokens, new_tokens, result.committed, max_new_tokens, eos)
             last = new_tokens[-1]
             stats.target_forwards += 1
-            stats.record_step(_depth(draft), draft.num_nodes, result.num_accepted, result.recovered, emitted)
+            stats.record_step(_depth(draft), draft.num_nodes, result.num_accepted, result.recovered, emitted, draft.source)
             stats.draft_time += tock - tick
             stats.verify_time += time.perf_counter() - tock
 

@@ -41,6 +41,9 @@ class DecodeStats:
     draft went on below it; for a truncated step only the depths it emitted);
     ``accepted_by_depth`` A_d, steps that emitted at least d accepted draft tokens.
     ``accept_lengths`` holds each step's emitted accepted draft tokens.
+    ``steps_by_source`` / ``accepted_by_source``: for drafts that name their source
+    (``Draft.source``, a composite's member), the steps each source drafted and the
+    accepted draft tokens it emitted.
     """
 
     requests: int = 0
@@ -53,6 +56,8 @@ class DecodeStats:
     drafted_by_depth: list[int] = field(default_factory=list)
     reached_by_depth: list[int] = field(default_factory=list)
     accepted_by_depth: list[int] = field(default_factory=list)
+    steps_by_source: dict[str, int] = field(default_factory=dict)
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
     draft_time: float = 0.0
     verify_time: float = 0.0
     total_time: float = 0.0
@@ -102,7 +107,9 @@ class DecodeStats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.total_time if self.total_time > 0 else 0.0
 
-    def record_step(self, draft_depth: int, num_nodes: int, num_accepted: int, recovered: bool, emitted: int) -> None:
+    def record_step(
+        self, draft_depth: int, num_nodes: int, num_accepted: int, recovered: bool, emitted: int, source: str | None = None
+    ) -> None:
         """Count one verification step.
 
         Args:
@@ -113,6 +120,7 @@ class DecodeStats:
                 ``num_accepted + 1`` was tested).
             emitted: the step's tokens actually emitted (1 to ``num_accepted + 1``;
                 fewer than committed when EOS or the output limit cut them).
+            source: the draft's ``Draft.source`` (None: not counted per source).
         """
         assert 1 <= emitted <= num_accepted + 1 <= draft_depth + 1, (emitted, num_accepted, draft_depth)
         truncated = emitted <= num_accepted
@@ -125,6 +133,9 @@ class DecodeStats:
         # A cut step's tests below what it emitted decided nothing that came out.
         _bump(self.reached_by_depth, accepted if truncated else num_accepted + int(recovered))
         _bump(self.accepted_by_depth, accepted)
+        if source is not None:
+            self.steps_by_source[source] = self.steps_by_source.get(source, 0) + 1
+            self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + accepted
 
     def acceptance_by_depth(self) -> AcceptanceRates:
         """Acceptance rate at each draft depth, given reached, given drafted and per step."""
@@ -159,6 +170,9 @@ class DecodeStats:
                     mine.extend([0] * (len(theirs) - len(mine)))
                     for d, count in enumerate(theirs):
                         mine[d] += count
+                elif isinstance(mine, dict):
+                    for key, count in theirs.items():
+                        mine[key] = mine.get(key, 0) + count
                 elif isinstance(mine, list):
                     mine.extend(theirs)
                 else:

@@ -28,7 +28,7 @@ PROMPT = torch.tensor([[1, 5, 9, 5, 9, 5, 9, 3]])
 
 @pytest.fixture(scope="module")
 def setup(make_llama, tmp_path_factory):
-    """The target, the ``model`` directory of each family that needs one, and plain greedy output."""
+    """The target, the required keys of each family that has some (a ``model`` directory, members), and plain greedy output."""
     target = make_llama(seed=0)
     draft_dir = tmp_path_factory.mktemp("draft")
     make_llama(seed=5, layers=1).save_pretrained(draft_dir)
@@ -38,23 +38,26 @@ def setup(make_llama, tmp_path_factory):
     eagle_dir = tmp_path_factory.mktemp("eagle")
     draft_for_target(config_for_target(target, 1), target).save(eagle_dir)
     plain = SpeculativeDecoder(target).generate(PROMPT, max_new_tokens=8).new_tokens
-    return target, {"draft_model": str(draft_dir), "medusa": str(heads_dir), "eagle": str(eagle_dir)}, plain
+    required = {kind: {"model": str(path)} for kind, path in (("draft_model", draft_dir), ("medusa", heads_dir), ("eagle", eagle_dir))}
+    required["composite"] = {"proposers": [{"type": "suffix"}, {"type": "draft_model", "model": str(draft_dir), "k": 2}]}
+    return target, required, plain
 
 
 def config_strategy(kind: str):
-    valid = [p for p in inspect.signature(resolve_type({"type": kind}, REGISTRY, "proposer")).parameters if p not in ("target", "model")]
+    schema = inspect.signature(resolve_type({"type": kind}, REGISTRY, "proposer")).parameters
+    valid = [p for p in schema if p not in ("target", "tokenizer", "model", "proposers")]
     keys = st.one_of(st.sampled_from(valid), ODD_KEYS)
     return st.dictionaries(keys, st.one_of(PLAUSIBLE, ANY_VALUE), max_size=3)
 
 
 @pytest.mark.parametrize("kind", sorted(REGISTRY))
 def test_a_config_builds_a_lossless_proposer_or_names_its_bad_key(kind, setup):
-    target, models, plain = setup
+    target, required, plain = setup
 
     @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(config_strategy(kind))
     def check(extra):
-        config = {"type": kind, **({"model": models[kind]} if kind in models else {}), **extra}
+        config = {"type": kind, **required.get(kind, {}), **extra}
         try:
             proposer = load_proposer(config, target=target)
         except (InputError, FileNotFoundError) as err:

@@ -128,3 +128,15 @@ def test_rates_and_the_iid_model_on_hand_counted_steps():
     as_dict = stats.to_dict()
     assert set(as_dict["acceptance_by_depth"]) == {"given_reached", "given_drafted", "per_step"}
     assert {"tau_from_rates", "tau_iid", "truncated_steps", "reached_by_depth"} <= set(as_dict)
+
+
+def test_per_source_counts_add_up_and_merge():
+    a, b = DecodeStats(), DecodeStats()
+    a.record_step(3, 3, 2, True, 3, source="suffix")
+    a.record_step(2, 2, 0, True, 1, source="draft_model")
+    b.record_step(4, 4, 4, False, 5, source="suffix")
+    b.record_step(0, 0, 0, False, 1)  # an empty draft names no source
+    merged = DecodeStats.merged([a, b])
+    assert merged.steps_by_source == {"suffix": 2, "draft_model": 1}
+    assert merged.accepted_by_source == {"suffix": 6, "draft_model": 0}
+    assert a.steps_by_source == {"suffix": 1, "draft_model": 1}  # merging copies, never aliases

@@ -14,13 +14,25 @@ Domains (one JSONL file each, ``{"prompt", "domain", "source"}``):
   the continuation repeats the context (the RAG / summarisation case);
 - ``long``: held-out code and prose documents long enough to fill the target's context
   (prompts of positions - max_new_tokens tokens: 960 for the 1024-position demo target),
-  when the target has at least 512 positions.
+  when the target has at least 512 positions;
+- ``repeat``: requests that return to earlier requests' material, in threes per held-out
+  passage: the passage; another passage's opening, then the passage again (a later turn
+  that comes back to it); the passage with its most frequent word renamed (an agent
+  rewriting the same file with a small change);
+- ``mixed``: code, prose and repeat requests interleaved (sub-domains ``mixed/code``,
+  ``mixed/prose``, ``mixed/repeat``; twice the prompts of a domain).
+
+Each domain reads its own held-out documents (offsets ``num_prompts`` apart, when the
+split holds enough), so that a proposer that learns across requests (``suffix``) does not
+meet one domain's passages in another's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
+from collections import Counter
 from pathlib import Path
 
 import yaml
@@ -81,11 +93,13 @@ def build_domains(
     for domain in ("code", "prose"):
         for doc in docs[domain][:num_prompts]:
             rows[domain].append({"prompt": _window(doc.text, prompt_chars, doc.path), "domain": domain, "source": doc.path})
-    mixed = [d for pair in zip(docs["code"], docs["prose"], strict=False) for d in pair]
-    for doc in mixed[:num_prompts]:
+    both = [d for pair in zip(docs["code"], docs["prose"], strict=False) for d in pair]
+    for doc in both[:num_prompts]:
         passage = _window(doc.text, prompt_chars // 2, "copy:" + doc.path).rstrip()
         opening = passage.splitlines()[0] if passage.splitlines() else passage[:40]
         rows["copy"].append({"prompt": f"{passage}\n\n{opening}", "domain": "copy", "source": doc.path})
+    rows["repeat"] = _repeat_rows(docs, num_prompts, prompt_chars, "repeat", offset=num_prompts)[:num_prompts]
+    rows["mixed"] = _mixed_rows(docs, num_prompts, prompt_chars)
     paths = {}
     for domain, items in rows.items():
         if not items:
@@ -94,6 +108,55 @@ def build_domains(
         path.write_text("".join(json.dumps(r) + "\n" for r in items))
         paths[domain] = str(path)
     return paths
+
+
+def _repeat_rows(docs: dict[str, list[Document]], count: int, prompt_chars: int, domain: str, offset: int) -> list[dict]:
+    """Three requests per passage, in order: the passage, a later turn back to it, the passage edited."""
+    both = _interleave(_unread(docs["code"], offset), _unread(docs["prose"], offset))
+    rows = []
+    for i, doc in enumerate(both[: -(-count // 3)]):
+        passage = _window(doc.text, prompt_chars // 2, "repeat:" + doc.path).rstrip()
+        other = both[(i + 1) % len(both)]
+        aside = _window(other.text, prompt_chars // 4, "aside:" + other.path).rstrip()
+        for kind, prompt in (("first", passage), ("return", f"{aside}\n\n{passage}"), ("edit", _edited(passage))):
+            rows.append({"prompt": prompt, "domain": domain, "source": f"{doc.path} ({kind})"})
+    return rows
+
+
+def _unread(docs: list[Document], offset: int) -> list[Document]:
+    """The documents from ``offset`` on, which the domains before did not read (all of them, for a corpus too small)."""
+    return docs[offset:] or docs
+
+
+def _interleave(first: list, second: list) -> list:
+    """first[0], second[0], first[1], ...; the longer list's rest at the end."""
+    out = [x for pair in zip(first, second, strict=False) for x in pair]
+    return out + first[len(second) :] + second[len(first) :]
+
+
+def _edited(text: str) -> str:
+    """The text with its most frequent word of 4+ letters renamed everywhere (a small edit of a file)."""
+    words = Counter(re.findall(r"\b[A-Za-z_]{4,}\b", text))
+    if not words:
+        return text + "\n"
+    word = words.most_common(1)[0][0]
+    return re.sub(rf"\b{word}\b", f"{word}_new", text)
+
+
+def _mixed_rows(docs: dict[str, list[Document]], num_prompts: int, prompt_chars: int) -> list[dict]:
+    """Code, prose and repeat requests interleaved, 2 x num_prompts of them, from documents no other domain reads."""
+    offset = 2 * num_prompts
+    kinds = {
+        "code": [_window(d.text, prompt_chars, d.path) for d in _unread(docs["code"], offset)],
+        "prose": [_window(d.text, prompt_chars, d.path) for d in _unread(docs["prose"], offset)],
+        "repeat": [r["prompt"] for r in _repeat_rows(docs, num_prompts, prompt_chars, "mixed/repeat", offset + num_prompts)],
+    }
+    rows = []
+    for i in range(2 * num_prompts):
+        kind = ("code", "prose", "repeat")[i % 3]
+        if i // 3 < len(kinds[kind]):
+            rows.append({"prompt": kinds[kind][i // 3], "domain": f"mixed/{kind}", "source": f"mixed {i}"})
+    return rows
 
 
 #: Trained proposers shipped under recipes/: row name -> (directory, the config the demo evaluates it with).
@@ -146,6 +209,7 @@ def run_demo(quick: bool = False, output_dir: str = "outputs/demo", num_prompts:
     )
     if long_tokens:
         domains["long"] = DomainFile(domains["long"], prompt_tokens=long_tokens)
+    domains["mixed"] = DomainFile(domains["mixed"], num_prompts=2 * num_prompts)
     proposers = {**DEMO_PROPOSERS, **trained_drafts(target_dir)}
     config = EvalConfig(
         target=str(target_dir),

@@ -4,6 +4,10 @@ A domain file is JSONL with one object per line, ``{"prompt": str, "domain": str
 ``{"messages": [{"role": ..., "content": ...}, ...], "domain": str}`` (rendered with the
 tokenizer's chat template), or a plain-text file / directory of ``.txt`` files whose
 texts become prompts. Prompts are cut to a fixed number of tokens.
+
+A row of domain ``name/part`` belongs to domain ``name`` and is reported as its
+sub-domain ``name/part``: a domain that interleaves several kinds of request (``mixed``)
+keeps its order and still gets a row per kind.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ def load_domain(
     budget = prompt_tokens * MAX_CHARS_PER_TOKEN
     texts = _read_jsonl(name, path, tokenizer) if path.suffix == ".jsonl" else _read_text(name, path, budget)
     prompts = []
-    for source, text, keep_end in texts:
+    for source, text, keep_end, domain in texts:
         # a rendered chat keeps its end, where the assistant turn opens
         text = text[-budget:] if keep_end else text[:budget]
         # verbose=False: the text is longer than the model's context on purpose (cut below)
@@ -65,7 +69,7 @@ def load_domain(
         if len(ids) < 2:
             continue
         ids = ids[-prompt_tokens:] if keep_end else ids[:prompt_tokens]
-        prompts.append(Prompt(name, torch.tensor([ids]), source))
+        prompts.append(Prompt(domain, torch.tensor([ids]), source))
         if len(prompts) == num_prompts:
             break
     if not prompts:
@@ -73,8 +77,8 @@ def load_domain(
     return prompts
 
 
-def _read_jsonl(name: str, path: Path, tokenizer) -> Iterator[tuple[str, str, bool]]:
-    """(source, text, keep_end) of each row, read lazily line by line."""
+def _read_jsonl(name: str, path: Path, tokenizer) -> Iterator[tuple[str, str, bool, str]]:
+    """(source, text, keep_end, domain) of each row of domain ``name`` or ``name/part``, read lazily line by line."""
     where = f"domain {name!r}: {path}"
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -92,14 +96,17 @@ def _read_jsonl(name: str, path: Path, tokenizer) -> Iterator[tuple[str, str, bo
                 raise InputError(f"{where}:{lineno} is not valid JSON ({err.msg})") from None
             if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
                 raise InputError(f"{where}:{lineno} must be an object with exactly one of 'prompt' or 'messages'")
-            if row.get("domain", name) != name:
+            domain = row.get("domain", name)
+            if not isinstance(domain, str):
+                raise InputError(f"{where}:{lineno} 'domain' must be a string")
+            if domain != name and not domain.startswith(name + "/"):
                 continue  # a shared file may hold several domains
             if "prompt" in row:
                 if not isinstance(row["prompt"], str):
                     raise InputError(f"{where}:{lineno} 'prompt' must be a string")
-                yield f"{path.name}:{lineno}", row["prompt"], False
+                yield f"{path.name}:{lineno}", row["prompt"], False, domain
             else:
-                yield f"{path.name}:{lineno}", _render_chat(row["messages"], tokenizer, f"{where}:{lineno}"), True
+                yield f"{path.name}:{lineno}", _render_chat(row["messages"], tokenizer, f"{where}:{lineno}"), True, domain
 
 
 def _render_chat(messages, tokenizer, where: str) -> str:
@@ -116,12 +123,12 @@ def _render_chat(messages, tokenizer, where: str) -> str:
         raise InputError(f"{where}: the chat template refused the messages ({str(err).splitlines()[0]})") from None
 
 
-def _read_text(name: str, path: Path, budget: int) -> Iterator[tuple[str, str, bool]]:
-    """(file name, text, False) of a text file or of each ``.txt`` file in a directory; at most ``budget`` characters each."""
+def _read_text(name: str, path: Path, budget: int) -> Iterator[tuple[str, str, bool, str]]:
+    """(file name, text, False, name) of a text file or of each ``.txt`` file in a directory; at most ``budget`` characters each."""
     files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
     if not files:
         raise InputError(f"domain {name!r}: directory {path} has no .txt files")
     for file in files:
         text = read_text(file, f"domain {name!r}: file", max_bytes=4 * budget)
         if text.strip():
-            yield file.name, text, False
+            yield file.name, text, False, name

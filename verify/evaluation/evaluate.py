@@ -32,19 +32,30 @@ from .domains import Prompt, load_domain
 
 PLAIN = "plain"
 # The raw counters behind tau and the acceptance rates, copied into each summary row.
-COUNTS = ("requests", "steps", "truncated_steps", "drafted_by_depth", "reached_by_depth", "accepted_by_depth")
+COUNTS = (
+    "requests",
+    "steps",
+    "truncated_steps",
+    "drafted_by_depth",
+    "reached_by_depth",
+    "accepted_by_depth",
+    "steps_by_source",
+    "accepted_by_source",
+)
 
 
 @dataclass(frozen=True)
 class DomainFile:
-    """A domain's prompts with a length of their own (``prompt_tokens``; None: the config's)."""
+    """A domain's prompts with a length or a count of their own (``prompt_tokens``, ``num_prompts``; None: the config's)."""
 
     path: str
     prompt_tokens: int | None = None
+    num_prompts: int | None = None
 
     def __post_init__(self):
-        if self.prompt_tokens is not None and self.prompt_tokens < 1:
-            raise InputError(f"prompt_tokens must be >= 1, got {self.prompt_tokens}")
+        for name in ("prompt_tokens", "num_prompts"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -54,7 +65,8 @@ class EvalConfig:
     Args:
         target: directory of the target model and tokenizer (``save_pretrained``).
         domains: domain name -> JSONL / text file or directory of prompts, or
-            ``{path: ..., prompt_tokens: n}`` for a domain whose prompts have another length.
+            ``{path: ..., prompt_tokens: n, num_prompts: m}`` for a domain whose prompts have
+            another length or count. Rows of ``name/part`` are sub-domains (``domains.py``).
         proposers: row name -> proposer config (``{"type": ..., ...}``).
         peers: also run the transformers peer every proposer declares, in a row named
             ``peer[proposer row]`` (``hf_assisted[demo_draft]``, ``hf_prompt_lookup[ngram]``).
@@ -142,18 +154,22 @@ def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
     max_positions = context_limit(model)
     prompts = []
     for name, domain in config.domains.items():
-        path, prompt_tokens = (
-            (domain, config.prompt_tokens) if isinstance(domain, str) else (domain.path, domain.prompt_tokens or config.prompt_tokens)
-        )
+        if isinstance(domain, str):
+            domain = DomainFile(domain)
+        path, prompt_tokens = domain.path, domain.prompt_tokens or config.prompt_tokens
         if max_positions is not None and prompt_tokens + config.max_new_tokens > max_positions:
             raise InputError(
                 f"domain {name!r}: prompt_tokens={prompt_tokens} + max_new_tokens={config.max_new_tokens} exceeds the target's "
                 f"context of {max_positions} positions; lower one of them"
             )
-        prompts += load_domain(name, path, tokenizer, config.num_prompts, prompt_tokens, max_positions)
-    methods = build_methods(config, model, tokenizer)
+        prompts += load_domain(name, path, tokenizer, domain.num_prompts or config.num_prompts, prompt_tokens, max_positions)
+    methods, proposers = build_methods(config, model, tokenizer)
     for run in methods.values():  # warm-up, untimed: the first call of each path pays one-off costs
         run(prompts[0], 0)
+    for proposer in proposers:  # what a proposer learns across requests starts from the evaluated ones
+        reset = getattr(proposer, "reset", None)
+        if reset is not None:
+            reset()
     records, stats = [], {}
     bar = tqdm(total=len(prompts) * len(methods), desc="eval", disable=not progress)
     for index, prompt in enumerate(prompts):
@@ -174,16 +190,18 @@ def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
     return summary
 
 
-def build_methods(config: EvalConfig, model, tokenizer) -> dict[str, Callable]:
-    """Row name -> fn(prompt, index) -> (new tokens, Record, DecodeStats | None).
+def build_methods(config: EvalConfig, model, tokenizer) -> tuple[dict[str, Callable], list]:
+    """Row name -> fn(prompt, index) -> (new tokens, Record, DecodeStats | None), and the proposers built.
 
     Plain decoding first, then every proposer, then the transformers peers they declare
     (with ``config.peers``); a proposer without ``transformers_peer`` has none.
     """
     methods = {PLAIN: _ours(SpeculativeDecoder(model, compile_forward=config.compile), PLAIN, config, tokenizer)}
     peers: dict[str, TransformersPeer] = {}
+    proposers = []
     for name, proposer_config in config.proposers.items():
-        proposer = load_proposer(proposer_config, target=model)
+        proposer = load_proposer(proposer_config, target=model, tokenizer=tokenizer)
+        proposers.append(proposer)
         methods[name] = _ours(SpeculativeDecoder(model, proposer, compile_forward=config.compile), name, config, tokenizer)
         declare = getattr(proposer, "transformers_peer", None)
         peer = declare() if config.peers and declare is not None else None
@@ -193,7 +211,7 @@ def build_methods(config: EvalConfig, model, tokenizer) -> dict[str, Callable]:
     counter = _ForwardCounter(model) if peers else None
     for row, peer in peers.items():
         methods[row] = _hf(model, counter, row, config, tokenizer, peer.generate_kwargs)
-    return methods
+    return methods, proposers
 
 
 def _record(prompt: Prompt, method: str, index: int, new_tokens: int, forwards: int, wall: float, stats: DecodeStats | None) -> Record:

@@ -10,16 +10,20 @@ from draftsmith.training.demo.run import build_domains, run_demo
 
 def test_domains_are_built_from_the_documents_given(tmp_path):
     docs = {
-        "code": [Document(f"stdlib/m{i}.py", "code", "".join(f"x{i}_{j} = {j}\n" for j in range(40))) for i in range(3)],
+        "code": [Document(f"stdlib/m{i}.py", "code", "".join(f"x{i}_{j} = total({j})\n" for j in range(40))) for i in range(3)],
         "prose": [Document(f"man/p{i}.1.gz", "prose", "".join(f"word{i} line {j}\n" for j in range(40))) for i in range(3)],
     }
-    paths = build_domains(docs, tmp_path, num_prompts=2, prompt_chars=200)
+    paths = build_domains(docs, tmp_path, num_prompts=3, prompt_chars=200)
     rows = {d: [json.loads(line) for line in open(p)] for d, p in paths.items()}
-    assert [len(rows[d]) for d in ("code", "prose", "copy")] == [2, 2, 2]
+    assert [len(rows[d]) for d in ("code", "prose", "copy", "repeat", "mixed")] == [3, 3, 3, 3, 6]
     assert {r["source"] for r in rows["code"]} <= {d.path for d in docs["code"]}
     for row in rows["copy"]:
         passage, opening = row["prompt"].split("\n\n")
         assert passage.startswith(opening)  # the continuation of the prompt repeats the passage
+    first, back, edited = rows["repeat"][:3]  # the passage, a later turn back to it, the passage with a word renamed
+    assert back["prompt"].endswith("\n\n" + first["prompt"]) and edited["prompt"] != first["prompt"]
+    assert edited["prompt"].replace("_new", "") == first["prompt"]
+    assert [r["domain"] for r in rows["mixed"]] == ["mixed/code", "mixed/prose", "mixed/repeat"] * 2
 
 
 def test_quick_demo_end_to_end(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ from draftsmith.proposers import load_proposer
 from draftsmith.proposers.base import Draft
 from draftsmith.training.cli import main
 from draftsmith.verify.evaluation.domains import load_domain
-from draftsmith.verify.evaluation.evaluate import EvalConfig, build_methods, evaluate
+from draftsmith.verify.evaluation.evaluate import DomainFile, EvalConfig, build_methods, evaluate
 from draftsmith.verify.target import load_target
 
 
@@ -85,8 +85,8 @@ class PeerlessProposer:
 def test_peers_are_what_the_proposers_declare(tiny_target_dir, monkeypatch):
     model, tokenizer = load_target(tiny_target_dir)
 
-    def load(config, target):
-        return PeerlessProposer() if config["type"] == "old" else load_proposer(config, target=target)
+    def load(config, target, tokenizer):
+        return PeerlessProposer() if config["type"] == "old" else load_proposer(config, target=target, tokenizer=tokenizer)
 
     # the package exports the function evaluate(), which hides its module of the same name
     monkeypatch.setattr(importlib.import_module("draftsmith.verify.evaluation.evaluate"), "load_proposer", load)
@@ -98,11 +98,11 @@ def test_peers_are_what_the_proposers_declare(tiny_target_dir, monkeypatch):
     }
     config = EvalConfig(target=str(tiny_target_dir), domains={"code": "unused"}, proposers=proposers)
     hooks = len(model._forward_pre_hooks)
-    methods = build_methods(config, model, tokenizer)
+    methods, _ = build_methods(config, model, tokenizer)
     assert list(methods) == ["plain", "ngram", "ngram_tree", "draft", "old", "hf_prompt_lookup[ngram]", "hf_assisted[draft]"]
     assert len(model._forward_pre_hooks) == hooks + 1  # the forward counter, for the peers' tau
     model, tokenizer = load_target(tiny_target_dir)
-    methods = build_methods(replace(config, peers=False), model, tokenizer)
+    methods, _ = build_methods(replace(config, peers=False), model, tokenizer)
     assert list(methods) == ["plain", "ngram", "ngram_tree", "draft", "old"]
     assert not model._forward_pre_hooks  # no peer, no hook on our own forwards
 
@@ -182,3 +182,15 @@ def test_a_domain_may_set_its_own_prompt_length(tiny_target_dir, tmp_path):
         evaluate(EvalConfig.from_dict({k: getattr(too_long, k) for k in ("target", "domains", "max_new_tokens", "output_dir")}))
     with pytest.raises(ValueError, match=r"key 'domains.long.prompt_tokens': expected int or None, got 'many'"):
         EvalConfig.from_dict({"target": "t", "domains": {"long": {"path": "p", "prompt_tokens": "many"}}})
+
+
+def test_sub_domains_keep_their_order_and_their_names(tiny_target_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "mixed.jsonl"
+    rows = [("mixed/code", "def f(): pass"), ("other", "skipped"), ("mixed/prose", "the fox"), ("mixed", "plain"), ("mixed/code", "x = 1")]
+    path.write_text("".join(json.dumps({"prompt": text, "domain": domain}) + "\n" for domain, text in rows))
+    prompts = load_domain("mixed", path, AutoTokenizer.from_pretrained(tiny_target_dir), num_prompts=3, prompt_tokens=16)
+    assert [p.domain for p in prompts] == ["mixed/code", "mixed/prose", "mixed"]
+    with pytest.raises(ValueError, match="num_prompts must be >= 1"):
+        DomainFile(str(path), num_prompts=0)

@@ -1,0 +1,437 @@
+"""Suffix decoding: draft what followed the context's suffix, in this request and in earlier ones.
+
+As in SuffixDecoding (Oliaro et al. 2024; ArcticInference, vLLM's ``method: suffix``):
+two suffix structures, one over the current request (prompt + output) and one over
+earlier requests' outputs (and prompts, with ``cache_prompts``), each counting how often
+every continuation occurred. A step matches the longest suffix of the context (up to
+``max_match`` tokens) in each, grows a speculation tree from the match by empirical
+continuation probability, best first, under a node budget of ``alpha * match length``
+(at most ``max_nodes``), and keeps the tree with the higher score (the sum of its nodes'
+path probabilities: the expected number of accepted tokens under the counts).
+
+The structures are tries of every substring up to ``max_match + k`` tokens (a suffix tree
+cut at that depth, as ArcticInference's). Appending a token updates one node per depth,
+and matching follows the same per-depth nodes, so a step costs O(depth + draft), whatever
+the context's length. The global trie holds at most ``max_cached_tokens`` tokens; the
+oldest requests are evicted first (their counts subtracted, empty nodes freed). It lives
+as long as the proposer: every ``generate`` call adds its request when the next one
+begins (or on ``flush``). ``save_store`` / ``store:`` write and read it as JSON, with the
+tokenizer's fingerprint.
+
+Drafts are lookups, so every node is a point mass: the output is exact at any temperature.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import math
+import os
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from .base import Draft, InputError, ProposeContext, TargetFeatures, VerifyResult, check_integer, check_real, output_vocab_size
+from .config import read_text
+from .models import context_limit
+
+STORE_FORMAT = "draftsmith-suffix-store"
+STORE_VERSION = 1
+
+
+class SuffixTrie:
+    """Occurrence counts of every substring of at most ``depth`` tokens of the sequences added.
+
+    Node 0 is the root (the empty string). ``count[n]`` is how many times node n's string
+    occurred; for an *explicit* node, ``total[n]`` is how many of those occurrences were
+    followed by a token (the sum of its children's counts), so ``count[child] / total[n]``
+    is the empirical probability of the child's token after n's string.
+
+    A string seen once needs no subtree: its only continuation is in the sequence it came
+    from. So a node is created *implicit* (one occurrence, ``ref`` = (sequence, position of
+    its last token), children read from the sequence) and made explicit (its old
+    occurrence's next token becomes a child) only when a second occurrence arrives, as a
+    suffix tree's leaves point into the text. Nodes grow with the repeated material, not
+    with length x depth. A match or a tree position is a *state* (node, extra): the node's
+    string followed by ``extra`` more tokens of its sequence (extra > 0 only below an
+    implicit node).
+    """
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.seqs: dict[int, list[int]] = {}
+        self.children: list[dict[int, int] | None] = [{}]
+        self.explicit = [True]
+        self.token = [-1]
+        self.parent = [-1]
+        self.level = [0]
+        self.count = [0]
+        self.total = [0]
+        self.ref = [(-1, -1)]
+        self.free: list[int] = []
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.token) - len(self.free)
+
+    def _new(self, parent: int, token: int, ref: tuple[int, int]) -> int:
+        """A new implicit child of ``parent`` with no occurrence yet."""
+        fields = (None, False, token, parent, self.level[parent] + 1, 0, 0, ref)
+        if self.free:
+            node = self.free.pop()
+            (self.children[node], self.explicit[node], self.token[node], self.parent[node], self.level[node], self.count[node],
+             self.total[node], self.ref[node]) = fields  # fmt: skip
+        else:
+            node = len(self.token)
+            for column, value in zip(
+                (self.children, self.explicit, self.token, self.parent, self.level, self.count, self.total, self.ref), fields, strict=True
+            ):
+                column.append(value)
+        self.children[parent][token] = node
+        return node
+
+    def _make_explicit(self, node: int, old: tuple[int, int]) -> None:
+        """Give ``node`` its children: the token after its earlier occrrence ``old`` (if any, and within depth)."""
+        self.explicit[node], self.children[node], self.total[node] = True, {}, 0
+        seq, pos = old
+        tokens = self.seqs[seq]
+        if pos + 1 < len(tokens) and self.level[node] < self.depth:
+            child = self._new(node, tokens[pos + 1], (seq, pos + 1))
+            self.count[child] = self.total[node] = 1
+
+    def append(self, active: list[int], seq: int, pos: int) -> list[int]:
+        """Count the occurrences ending at ``seqs[seq][pos]``, given ``active``: the nodes of the
+        occurrences ending at ``pos - 1`` (shortest first). Return the new ones. O(repeated length)."""
+        token = self.seqs[seq][pos]
+        out = []
+        for node in reversed([0] + active):  # deepest first: a node counted here is never read again this step
+            if not self.explicit[node] or self.level[node] >= self.depth:
+                continue  # an implicit node's continuation is in its sequence already
+            child = self.children[node].get(token)
+            if child is None:
+                child = self._new(node, token, (seq, pos))
+            old = self.ref[child]
+            self.count[child] += 1
+            self.ref[child] = (seq, pos)
+            self.total[node] += 1
+            if self.count[child] == 2 and not self.explicit[child]:
+                self._make_explicit(child, old)
+            out.append(child)
+        out.reverse()
+        return out
+
+    def add(self, seq: int, tokens: list[int]) -> None:
+        """Add a whole sequence under id ``seq`` (kept: implicit nodes read it)."""
+        self.seqs[seq] = tokens
+        active: list[int] = []
+        for pos in range(len(tokens)):
+            active = self.append(active, seq, pos)
+
+    def remove(self, seq: int) -> None:
+        """Subtract sequence ``seq``'s occurrences; free the nodes left with none."""
+        active: list[int] = []
+        emptied: list[int] = []
+        for token in self.seqs[seq]:
+            out = []
+            for node in [0] + active:
+                if self.explicit[node] and self.level[node] < self.depth:
+                    child = self.children[node][token]
+                    self.total[node] -= 1
+                    self.count[child] -= 1
+                    if self.count[child] == 0:
+                        emptied.append(child)
+                    out.append(child)
+            active = out
+        for node in emptied:  # a child's occurrences are its parent's: an emptied parent goes with its subtree
+            parent = self.parent[node]
+            if parent == 0 or self.count[parent] > 0:
+                del self.children[parent][self.token[node]]
+            self.children[node] = None
+            self.free.append(node)
+        del self.seqs[seq]
+
+    # -- reading: states (node, extra) -------------------------------------------------
+
+    def _next_token(self, node: int, extra: int) -> int | None:
+        """The token after an implicit state (node, extra), from its sequence; None at its end or at depth."""
+        seq, pos = self.ref[node]
+        tokens = self.seqs[seq]
+        at = pos + 1 + extra
+        return tokens[at] if at < len(tokens) and self.level[node] + extra < self.depth else None
+
+    def follow(self, states: list[tuple[int, int]], token: int, max_level: int) -> list[tuple[int, int]]:
+        """Matching without counting: the states of ``states`` (shortest first) extended by ``token`` that
+        occurred, and the one-token string; none longer than ``max_level``."""
+        out = []
+        first = self.children[0].get(token)
+        if first is not None:
+            out.append((first, 0))
+        for node, extra in states:
+            if self.level[node] + extra >= max_level:
+                continue
+            if extra == 0 and self.explicit[node]:
+                child = self.children[node].get(token)
+                if child is not None:
+                    out.append((child, 0))
+            elif self._next_token(node, extra) == token:
+                out.append((node, extra + 1))
+        return out
+
+    def continued(self, node: int, extra: int) -> bool:
+        """Whether the state was ever followed by a token."""
+        if extra == 0 and self.explicit[node]:
+            return self.total[node] > 0
+        return self._next_token(node, extra) is not None
+
+    def speculate(self, node: int, extra: int, budget: int, max_depth: int, min_prob: float) -> tuple[list[int], list[int], float]:
+        """The best-first tree of continuations of state (node, extra): (tokens, parents, score).
+
+        A node's probability is the product of ``count[child] / total[parent]`` along its
+        path (1 below an implicit node: one occurrence); the most probable frontier node is
+        added next, while it reaches ``min_prob`` and the tree has fewer than ``budget``
+        nodes. Score: the sum of the probabilities, the expected accepted length under the counts.
+        """
+        tokens: list[int] = []
+        parents: list[int] = []
+        score = 0.0
+        heap: list[tuple[float, int, int, int, int, int, int]] = []
+        order = 0
+
+        def push(at: int, at_extra: int, prob: float, parent_index: int, depth: int) -> None:
+            nonlocal order
+            if depth > max_depth:
+                return
+            if at_extra == 0 and self.explicit[at]:
+                if self.total[at] == 0:
+                    return
+                for token, child in self.children[at].items():
+                    p = prob * self.count[child] / self.total[at]
+                    if p >= min_prob:
+                        heapq.heappush(heap, (-p, order, token, child, 0, parent_index, depth))
+                        order += 1
+            else:
+                token = self._next_token(at, at_extra)
+                if token is not None and prob >= min_prob:
+                    heapq.heappush(heap, (-prob, order, token, at, at_extra + 1, parent_index, depth))
+                    order += 1
+
+        push(node, extra, 1.0, -1, 1)
+        while heap and len(tokens) < budget:
+            neg_prob, _, token, at, at_extra, parent_index, depth = heapq.heappop(heap)
+            tokens.append(token)
+            parents.append(parent_index)
+            score -= neg_prob
+            push(at, at_extra, -neg_prob, len(tokens) - 1, depth + 1)
+        return tokens, parents, score
+
+
+class SuffixProposer:
+    """Draft from suffix tries over this request and over earlier requests' outputs.
+
+    Args:
+        k: deepest draft node.
+        max_nodes: node budget of a step's tree.
+        max_match: longest context suffix matched.
+        alpha: the tree has at most ``alpha * match length`` nodes (SuffixDecoding's
+            ``max_spec_factor``): a long match earns a long draft.
+        min_token_prob: a node is drafted only when its path probability reaches this.
+        min_score: draft at all only when the tree's score (expected accepted tokens)
+            reaches this (0: whenever something matched).
+        global_store: also match earlier requests (False: this request only).
+        cache_prompts: the global store keeps earlier prompts too, not only outputs.
+        max_cached_tokens: the global store's bound, in tokens; the oldest requests go
+            first. At least one request: the target's context, when the target is given.
+        store: a store saved with ``save_store`` to start from.
+        target, tokenizer: the target and its tokenizer (vocabulary and fingerprint checks).
+    """
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(
+        self,
+        k: int = 16,
+        max_nodes: int = 24,
+        max_match: int = 16,
+        alpha: float = 1.0,
+        min_token_prob: float = 0.1,
+        min_score: float = 0.0,
+        global_store: bool = True,
+        cache_prompts: bool = False,
+        max_cached_tokens: int = 1_000_000,
+        store: str | None = None,
+        target=None,
+        tokenizer=None,
+    ):
+        for name, value in (("k", k), ("max_nodes", max_nodes), ("max_match", max_match), ("max_cached_tokens", max_cached_tokens)):
+            if check_integer(name, value) < 1:
+                raise InputError(f"{name} must be an integer >= 1, got {value!r}")
+        if not 0.0 < check_real("alpha", alpha) < math.inf:
+            raise InputError(f"alpha must be a finite number > 0, got {alpha!r}")
+        if not 0.0 <= check_real("min_token_prob", min_token_prob) <= 1.0:
+            raise InputError(f"min_token_prob must be in [0, 1], got {min_token_prob!r}")
+        if not 0.0 <= check_real("min_score", min_score) < math.inf:
+            raise InputError(f"min_score must be a finite number >= 0, got {min_score!r}")
+        limit = context_limit(target) if target is not None else None
+        if limit is not None and max_cached_tokens < limit:
+            raise InputError(
+                f"max_cached_tokens={max_cached_tokens} is under one request: the target's context holds {limit} tokens; "
+                f"give at least {limit}"
+            )
+        self.k, self.max_nodes, self.max_match, self.alpha = k, max_nodes, max_match, float(alpha)
+        self.min_token_prob, self.min_score = float(min_token_prob), float(min_score)
+        self.global_store, self.cache_prompts, self.max_cached_tokens = global_store, cache_prompts, max_cached_tokens
+        self.vocab_size = output_vocab_size(target) if target is not None else None
+        self.fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
+        self.depth = max_match + k
+        self._initial: list[list[int]] = read_store(store, self.vocab_size, self.fingerprint) if store is not None else []
+        self.reset()
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget every request seen since construction (the global store goes back to ``store``)."""
+        self.cache = SuffixTrie(self.depth)
+        self.cached: deque[int] = deque()  # sequence ids in the global trie, oldest first
+        self.cached_tokens = 0
+        self._next_id = 0
+        for tokens in self._initial:
+            self._cache(tokens)
+        self._pending = False
+        self._start([])
+
+    def begin(self, prompt: list[int], features: TargetFeatures | None) -> None:
+        self.flush()
+        self._start(prompt)
+        self._pending = True
+
+    def _start(self, prompt: list[int]) -> None:
+        self._request = SuffixTrie(self.depth)
+        self._tokens: list[int] = []
+        self._request.seqs[0] = self._tokens
+        self._active: list[int] = []
+        self._matches: list[tuple[int, int]] = []
+        self._prompt_len = len(prompt)
+        self._extend(prompt)
+
+    def observe(self, result: VerifyResult, features: TargetFeatures | None) -> None:
+        self._extend(result.committed)
+
+    def flush(self) -> None:
+        """Add the request in progress (or just finished) to the global store, once."""
+        if self._pending and self.global_store:
+            self._cache(self._tokens if self.cache_prompts else self._tokens[self._prompt_len :])
+        self._pending = False
+
+    def transformers_peer(self):
+        return None  # transformers has no suffix decoding
+
+    # -- drafting ----------------------------------------------------------------------
+
+    def propose(self, context: ProposeContext) -> Draft:
+        tokens = context.tokens
+        if len(tokens) < len(self._tokens):  # a new request without begin(): start over
+            self.begin(tokens, None)
+        self._extend(tokens[len(self._tokens) :])
+        depth = min(self.k, context.max_depth)
+        here = self._request_match()
+        best = self._speculate(self._request, here, depth) if here is not None else ([], [], 0.0)
+        there = next((state for state in reversed(self._matches) if self.cache.continued(*state)), None) if self.global_store else None
+        if there is not None:
+            other = self._speculate(self.cache, there, depth)
+            if other[2] > best[2]:
+                best = other
+        ids, parents, score = best
+        if not ids or score < self.min_score:
+            return Draft.empty()
+        return Draft(torch.tensor(ids, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+    def _request_match(self) -> tuple[int, int] | None:
+        """The longest context suffix (at most ``max_match``) that occurred earlier in this request with a continuation."""
+        trie = self._request
+        for node in reversed(self._active):  # implicit nodes occurred once: here
+            if trie.level[node] <= self.max_match and trie.explicit[node] and trie.total[node]:
+                return node, 0
+        return None
+
+    def _speculate(self, trie: SuffixTrie, state: tuple[int, int], depth: int) -> tuple[list[int], list[int], float]:
+        """The tree below a matched state, of at most ``alpha`` x its length nodes."""
+        node, extra = state
+        budget = min(self.max_nodes, int(self.alpha * (trie.level[node] + extra)))
+        return trie.speculate(node, extra, budget, depth, self.min_token_prob)
+
+    def _extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self._tokens.append(token)
+            self._active = self._request.append(self._active, 0, len(self._tokens) - 1)
+            if self.global_store:
+                self._matches = self.cache.follow(self._matches, token, self.max_match)
+
+    # -- the global store ----------------------------------------------------------------
+
+    def _cache(self, tokens: list[int]) -> None:
+        tokens = list(tokens[-self.max_cached_tokens :])
+        if not tokens:
+            return
+        self.cache.add(self._next_id, tokens)
+        self.cached.append(self._next_id)
+        self._next_id += 1
+        self.cached_tokens += len(tokens)
+        while self.cached_tokens > self.max_cached_tokens:
+            oldest = self.cached.popleft()
+            self.cached_tokens -= len(self.cache.seqs[oldest])
+            self.cache.remove(oldest)
+
+    def cached_requests(self) -> list[list[int]]:
+        """The requests the global store holds, oldest first."""
+        return [self.cache.seqs[seq] for seq in self.cached]
+
+    def save_store(self, path: str | Path) -> Path:
+        """Write the global store (the requests it holds, oldest first) as JSON, atomically; return the path."""
+        self.flush()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "format": STORE_FORMAT,
+            "version": STORE_VERSION,
+            "vocab_size": self.vocab_size,
+            "tokenizer": self.fingerprint,
+            "requests": self.cached_requests(),
+        }
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(payload))
+        os.replace(tmp, path)
+        return path
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of the tokenizer's vocabulary (every token string and its id)."""
+    items = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def read_store(path: str | Path, vocab_size: int | None, fingerprint: str | None) -> list[list[int]]:
+    """The requests of a saved store; InputError on another format, vocabulary or tokenizer."""
+    where = f"suffix store {path}"
+    try:
+        payload = json.loads(read_text(path, "suffix store"))
+    except json.JSONDecodeError as err:
+        raise InputError(f"{where} is not valid JSON ({err.msg})") from None
+    if not isinstance(payload, dict) or payload.get("format") != STORE_FORMAT or payload.get("version") != STORE_VERSION:
+        raise InputError(f"{where} is not a suffix store of format {STORE_FORMAT!r} version {STORE_VERSION} (written by save_store)")
+    theirs = payload.get("tokenizer")
+    if fingerprint is not None and theirs is not None and theirs != fingerprint:
+        raise InputError(f"{where} was saved with another tokenizer (fingerprint {theirs}, this target's is {fingerprint})")
+    stored_vocab = payload.get("vocab_size")
+    if vocab_size is not None and stored_vocab is not None and stored_vocab != vocab_size:
+        raise InputError(f"{where} was saved for a vocabulary of {stored_vocab} tokens, this target's has {vocab_size}")
+    requests = payload.get("requests")
+    bound = vocab_size if vocab_size is not None else stored_vocab
+    valid = isinstance(requests, list) and all(isinstance(r, list) for r in requests)
+    valid = valid and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for r in requests for t in r)
+    if not valid:
+        raise InputError(f"{where}: 'requests' must be a list of lists of token ids >= 0")
+    if bound is not None and any(t >= bound for r in requests for t in r):
+        raise InputError(f"{where} holds token ids outside the vocabulary [0, {bound})")
+    return requests
