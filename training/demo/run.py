@@ -47,10 +47,17 @@ DEMO_TARGET = RECIPES / "demo_target"
 MIN_PROMPT_TOKENS = 16
 LONG_MIN_POSITIONS = 512  # targets with fewer positions get no long domain
 CHARS_PER_LONG_TOKEN = 6  # characters kept per long-prompt token (the demo tokenizer averages about 3.5)
+SUFFIX = {"type": "suffix"}
 DEMO_PROPOSERS = {
     "ngram": {"type": "ngram"},
     "ngram_tree": {"type": "ngram", "min_n": 1, "branches": 4, "max_nodes": 16},
+    "suffix": SUFFIX,
+    # the suffix tries first; where they match nothing, prompt lookup
+    "suffix+ngram": {"type": "composite", "proposers": [SUFFIX, {"type": "ngram"}]},
 }
+#: A composite's suffix member drafts when its tree's score (the expected accepted tokens under
+#: its counts) reaches this; below, the next member (a draft model) drafts.
+SUFFIX_FIRST = 1.0
 
 
 def ensure_target(quick: bool) -> Path:
@@ -162,16 +169,16 @@ def _mixed_rows(docs: dict[str, list[Document]], num_prompts: int, prompt_chars:
 #: Trained proposers shipped under recipes/: row name -> (directory, the config the demo evaluates it with).
 #: The draft model drafts 6 deep with a confidence threshold of 0.4: measured faster than a
 #: fixed depth 4 on every demo domain (see benchmarks/RESULTS.md). Medusa grows the tree
-#: calibrated with its heads. EAGLE: the EAGLE-1 head drafts chains (eagle1) and EAGLE-2's
-#: dynamic trees (eagle2); the EAGLE-3 head dynamic trees. A draft layer costs about 0.9 ms
-#: per depth on a CPU core, so they stop at a low draft probability (measured faster than
-#: depth 5 and 16 nodes, at a lower tau: benchmarks/RESULTS.md).
+#: calibrated with its heads. EAGLE: the EAGLE-1 head drafts 5-token chains (eagle1) and
+#: EAGLE-2's dynamic trees (eagle2); the EAGLE-3 head the same dynamic trees (6 deep, 3
+#: children per expanded node, 24 nodes: its tau is 1.5x the draft model's on code and
+#: prose there, benchmarks/RESULTS.md).
 SHIPPED = {
     "demo_draft": ("demo_draft", {"type": "draft_model", "k": 6, "confidence_threshold": 0.4}),
     "medusa": ("demo_medusa", {"type": "medusa"}),
-    "eagle1": ("demo_eagle1", {"type": "eagle", "k": 4, "confidence_threshold": 0.3}),
-    "eagle2": ("demo_eagle1", {"type": "eagle", "k": 4, "tree_width": 2, "max_nodes": 8, "confidence_threshold": 0.2}),
-    "eagle3": ("demo_eagle3", {"type": "eagle", "k": 4, "tree_width": 2, "max_nodes": 8, "confidence_threshold": 0.2}),
+    "eagle1": ("demo_eagle1", {"type": "eagle", "k": 5}),
+    "eagle2": ("demo_eagle1", {"type": "eagle", "k": 6, "tree_width": 3, "max_nodes": 24}),
+    "eagle3": ("demo_eagle3", {"type": "eagle", "k": 6, "tree_width": 3, "max_nodes": 24}),
 }
 
 
@@ -184,6 +191,8 @@ def trained_drafts(target_dir: Path) -> dict[str, dict]:
         path = RECIPES / directory / "config.json"
         if path.is_file() and json.loads(path.read_text())["vocab_size"] == vocab:
             found[name] = {**config, "model": str(path.parent)}
+    if "demo_draft" in found:  # model-free first, the learned draft where the suffix tries are unsure
+        found["suffix+draft"] = {"type": "composite", "proposers": [{**SUFFIX, "min_score": SUFFIX_FIRST}, found["demo_draft"]]}
     return found
 
 
