@@ -235,12 +235,15 @@ class SuffixProposer:
         max_nodes: node budget of a step's tree.
         max_match: longest context suffix matched.
         alpha: the tree has at most ``alpha * match length`` nodes (SuffixDecoding's
-            ``max_spec_factor``): a long match earns a long draft.
+            ``max_spec_factor``): a long match earns a long draft. 4 drafted more accepted
+            tokens than 1 or 2 on every demo domain (``benchmarks/RESULTS.md``), where a
+            verified node costs little.
         min_token_prob: a node is drafted only when its path probability reaches this.
         min_score: draft at all only when the tree's score (expected accepted tokens)
             reaches this (0: whenever something matched).
         global_store: also match earlier requests (False: this request only).
-        cache_prompts: the global store keeps earlier prompts too, not only outputs.
+        cache_prompts: the global store keeps earlier prompts too, not only outputs (a
+            later turn that repeats an earlier prompt then matches from its first step).
         max_cached_tokens: the global store's bound, in tokens; the oldest requests go
             first. At least one request: the target's context, when the target is given.
         store: a store saved with ``save_store`` to start from.
@@ -254,11 +257,11 @@ class SuffixProposer:
         k: int = 16,
         max_nodes: int = 24,
         max_match: int = 16,
-        alpha: float = 1.0,
+        alpha: float = 4.0,
         min_token_prob: float = 0.1,
         min_score: float = 0.0,
         global_store: bool = True,
-        cache_prompts: bool = False,
+        cache_prompts: bool = True,
         max_cached_tokens: int = 1_000_000,
         store: str | None = None,
         target=None,

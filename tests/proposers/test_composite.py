@@ -31,7 +31,7 @@ def draft_dirs(tmp_path_factory, make_llama):
 
 
 def test_first_confident_asks_in_order_and_names_the_member():
-    p = CompositeProposer([{"type": "suffix", "min_score": 1.5}, {"type": "ngram", "min_n": 1, "max_n": 1, "k": 2}])
+    p = CompositeProposer([{"type": "suffix", "alpha": 1.0, "min_score": 1.5}, {"type": "ngram", "min_n": 1, "max_n": 1, "k": 2}])
     p.begin([], None)
     context = ProposeContext([4, 1, 2, 3, 9, 1, 2, 3], 8, SamplingParams())
     draft = p.propose(context)  # suffix: "1 2 3" once went on to 9 (score >= 1.5 with a 3-node budget)

@@ -53,5 +53,6 @@ def test_shipped_proposers_are_evaluated_when_present_and_fitting(tmp_path, monk
         (tmp_path / directory).mkdir()
         (tmp_path / directory / "config.json").write_text(json.dumps({"vocab_size": vocab}))
     found = demo.trained_drafts(tmp_path / "target")
-    assert sorted(found) == ["demo_draft", "eagle1", "eagle2"]  # medusa: another vocabulary; eagle3: not shipped here
+    assert sorted(found) == ["demo_draft", "eagle1", "eagle2", "suffix+draft"]  # medusa: another vocabulary; eagle3: not shipped
+    assert found["suffix+draft"]["proposers"][1] == found["demo_draft"]
     assert found["eagle2"] == {**demo.SHIPPED["eagle2"][1], "model": str(tmp_path / "demo_eagle1")}
