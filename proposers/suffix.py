@@ -2,12 +2,14 @@
 
 As in SuffixDecoding (Oliaro et al. 2024; ArcticInference, vLLM's ``method: suffix``):
 two suffix structures, one over the current request (prompt + output) and one over
-earlier requests' outputs (and prompts, with ``cache_prompts``), each counting how often
-every continuation occurred. A step matches the longest suffix of the context (up to
-``max_match`` tokens) in each, grows a speculation tree from the match by empirical
-continuation probability, best first, under a node budget of ``alpha * match length``
-(at most ``max_nodes``), and keeps the tree with the higher score (the sum of its nodes'
-path probabilities: the expected number of accepted tokens under the counts).
+earlier requests' prompts and outputs (outputs only without ``cache_prompts``), each
+counting how often every continuation occurred. A step matches the context's suffixes (up
+to ``max_match`` tokens) in each, grows a speculation tree from each match by empirical
+continuation probability, best first, under a node budget of ``alpha * match length`` (at
+most ``max_nodes``), and keeps the tree with the highest score (the sum of its nodes' path
+probabilities: the expected number of accepted tokens under the counts). Every match
+length is tried, as ArcticInference does, except shorter ones that occurred exactly where
+a longer one did; trying only the longest gave taus 3-8% lower on the demo domains.
 
 The structures are tries of every substring up to ``max_match + k`` tokens (a suffix tree
 cut at that depth, as ArcticInference's). Appending a token updates one node per depth,
@@ -338,25 +340,26 @@ class SuffixProposer:
             self.begin(tokens, None)
         self._extend(tokens[len(self._tokens) :])
         depth = min(self.k, context.max_depth)
-        here = self._request_match()
-        best = self._speculate(self._request, here, depth) if here is not None else ([], [], 0.0)
-        there = next((state for state in reversed(self._matches) if self.cache.continued(*state)), None) if self.global_store else None
-        if there is not None:
-            other = self._speculate(self.cache, there, depth)
-            if other[2] > best[2]:
-                best = other
+        best: tuple[list[int], list[int], float] = ([], [], 0.0)
+        for trie, states in ((self._request, self._request_states()), (self.cache, self._global_states())):
+            for state in states:
+                draft = self._speculate(trie, state, depth)
+                if draft[2] > best[2]:
+                    best = draft
         ids, parents, score = best
         if not ids or score < self.min_score:
             return Draft.empty()
         return Draft(torch.tensor(ids, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
 
-    def _request_match(self) -> tuple[int, int] | None:
-        """The longest context suffix (at most ``max_match``) that occurred earlier in this request with a continuation."""
+    def _request_states(self) -> list[tuple[int, int]]:
+        """Suffixes of the context (at most ``max_match`` long) that occurred earlier in this request with a continuation."""
         trie = self._request
-        for node in reversed(self._active):  # implicit nodes occurred once: here
-            if trie.level[node] <= self.max_match and trie.explicit[node] and trie.total[node]:
-                return node, 0
-        return None
+        found = [(node, 0) for node in self._active if trie.level[node] <= self.max_match and trie.explicit[node] and trie.total[node]]
+        return _distinct(trie, found)  # implicit nodes occurred once: here
+
+    def _global_states(self) -> list[tuple[int, int]]:
+        """Suffixes of the context found in the global store with a continuation."""
+        return _distinct(self.cache, [state for state in self._matches if self.cache.continued(*state)]) if self.global_store else []
 
     def _speculate(self, trie: SuffixTrie, state: tuple[int, int], depth: int) -> tuple[list[int], list[int], float]:
         """The tree below a matched state, of at most ``alpha`` x its length nodes."""
@@ -406,6 +409,21 @@ class SuffixProposer:
         tmp.write_text(json.dumps(payload))
         os.replace(tmp, path)
         return path
+
+
+def _distinct(trie: SuffixTrie, states: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Of matched states (shortest first), the longest of each occurrence count, longest first.
+
+    Every match length is a candidate (as in ArcticInference): a shorter suffix may have
+    occurred more often and predict better, while a longer one earns a larger budget. A
+    shorter suffix with the same count occurred at the same places, so it has the same
+    continuations and a smaller budget: it is skipped.
+    """
+    out: list[tuple[int, int]] = []
+    for node, extra in reversed(states):
+        if not out or trie.count[node] != trie.count[out[-1][0]]:
+            out.append((node, extra))
+    return out
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
