@@ -56,7 +56,9 @@ def main() -> None:
         speed = {m: [run[(domain, m)]["speedup"] for run in runs] for d, m in runs[0] if d == domain}
         for method, values in speed.items():
             tau = runs[0][(domain, method)]["tau"]
-            print(f"  {method:14s} tau {tau:.2f}  speedup median {statistics.median(values):.2f}  range {min(values):.2f}-{max(values):.2f}")
+            print(
+                f"  {method:14s} tau {tau:.2f}  speedup median {statistics.median(values):.2f}  range {min(values):.2f}-{max(values):.2f}"
+            )
         for composite, members in MEMBERS.items():
             best = max(members, key=lambda m: statistics.median(speed[m]))
             margins = [c - b for c, b in zip(speed[composite], speed[best], strict=True)]
