@@ -109,13 +109,46 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
+class RotaryTable:
+    """cos / sin rows of rotary positions, from a table computed once and doubled as needed."""
+
+    def __init__(self, head_dim: int, theta: float):
+        self.head_dim, self.theta = head_dim, theta
+        self.table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin ``[m, head_dim]`` of ``positions`` ``[m]``."""
+        bound = int(positions.max()) + 1 if positions.numel() else 1
+        if self.table is None or self.table[0].shape[0] < bound:
+            size = max(bound, 2 * self.table[0].shape[0] if self.table is not None else 512)
+            inv = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+            angles = torch.outer(torch.arange(size, dtype=torch.float32), inv)
+            angles = torch.cat([angles, angles], dim=-1)
+            self.table = (angles.cos(), angles.sin())
+        cos, sin = self.table
+        return cos.to(device).index_select(0, positions), sin.to(device).index_select(0, positions)
+
+
+def cached_attention(
+    attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PreallocatedLayer, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Append k / v to ``cache`` and attend with q over all of it; ``mask`` None is causal over the new rows."""
+    keys, values = cache.update(k, v)
+    keys, values = attn.expand_kv(keys), attn.expand_kv(values)
+    if mask is None and q.shape[2] > 1:
+        past = keys.shape[2] - q.shape[2]
+        mask = torch.zeros(q.shape[2], keys.shape[2], dtype=q.dtype, device=q.device)
+        mask[:, past:] = torch.full((q.shape[2], q.shape[2]), float("-inf"), device=q.device).triu(1)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
 class Attention(nn.Module):
-    def __init__(self, input_width: int, hidden: int, heads: int, kv_heads: int, head_dim: int):
+    def __init__(self, input_width: int, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(input_width, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(input_width, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(input_width, kv_heads * head_dim, bias=False)
+        self.q_proj = nn.Linear(input_width, heads * head_dim, bias=bias)  # q / k / v biases: Qwen2-style blocks
+        self.k_proj = nn.Linear(input_width, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(input_width, kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -196,7 +229,7 @@ class EagleDraft(nn.Module):
             # the identity map until set_vocabulary chooses the draft's tokens
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.arange(cfg.vocab_size) < cfg.draft_vocab_size)
-        self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rotary = RotaryTable(cfg.head_dim, cfg.rope_theta)
 
     # -- vocabulary ----------------------------------------------------------------------
 
@@ -235,18 +268,8 @@ class EagleDraft(nn.Module):
         return self.lm_head(self.norm(hidden))
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos / sin ``[m, head_dim]`` of ``positions`` ``[m]`` (a table doubled as needed)."""
-        bound = int(positions.max()) + 1 if positions.numel() else 1
-        if self._rotary is None or self._rotary[0].shape[0] < bound:
-            size = max(bound, 2 * self._rotary[0].shape[0] if self._rotary is not None else 512)
-            dim = self.cfg.head_dim
-            inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-            angles = torch.outer(torch.arange(size, dtype=torch.float32), inv)
-            angles = torch.cat([angles, angles], dim=-1)
-            self._rotary = (angles.cos(), angles.sin())
-        cos, sin = self._rotary
-        device = self.fc.weight.device
-        return cos.to(device).index_select(0, positions), sin.to(device).index_select(0, positions)
+        """cos / sin ``[m, head_dim]`` of ``positions`` ``[m]``."""
+        return self._rotary(positions, self.fc.weight.device)
 
     def step(
         self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: PreallocatedLayer, mask: torch.Tensor | None
@@ -261,14 +284,7 @@ class EagleDraft(nn.Module):
         cos, sin = self.rotary(positions)
         attn = self.layer.self_attn
         q, k, v = attn.qkv(x, cos, sin)
-        keys, values = cache.update(k, v)
-        keys, values = attn.expand_kv(keys), attn.expand_kv(values)
-        if mask is None and q.shape[2] > 1:
-            past = keys.shape[2] - q.shape[2]
-            mask = torch.zeros(q.shape[2], keys.shape[2], dtype=q.dtype, device=q.device)
-            mask[:, past:] = torch.full((q.shape[2], q.shape[2]), float("-inf"), device=q.device).triu(1)
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        return self.layer.finish(residual, attended)
+        return self.layer.finish(residual, cached_attention(attn, q, k, v, cache, mask))
 
     # -- saving ----------------------------------------------------------------------------
 

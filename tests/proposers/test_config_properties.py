@@ -15,7 +15,7 @@ from bad_input import ANY_VALUE, ODD_KEYS, assert_one_line_naming
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from draftsmith.proposers import REGISTRY, load_proposer
+from draftsmith.proposers import REGISTRY, load_proposer, mtp
 from draftsmith.proposers.base import InputError
 from draftsmith.proposers.config import resolve_type
 from draftsmith.proposers.eagle_head import config_for_target, draft_for_target
@@ -37,8 +37,13 @@ def setup(make_llama, tmp_path_factory):
     write_calibration(heads_dir, [[0.5, 0.2], [0.3, 0.1], [0.2, 0.1]], tokens=100, max_nodes=4)
     eagle_dir = tmp_path_factory.mktemp("eagle")
     draft_for_target(config_for_target(target, 1), target).save(eagle_dir)
+    mtp_dir = tmp_path_factory.mktemp("mtp")
+    mtp.modules_for_target(mtp.config_for_target(target, 2), target).save(mtp_dir)
     plain = SpeculativeDecoder(target).generate(PROMPT, max_new_tokens=8).new_tokens
-    required = {kind: {"model": str(path)} for kind, path in (("draft_model", draft_dir), ("medusa", heads_dir), ("eagle", eagle_dir))}
+    required = {
+        kind: {"model": str(path)}
+        for kind, path in (("draft_model", draft_dir), ("medusa", heads_dir), ("eagle", eagle_dir), ("mtp", mtp_dir))
+    }
     required["composite"] = {"proposers": [{"type": "suffix"}, {"type": "draft_model", "model": str(draft_dir), "k": 2}]}
     return target, required, plain
 

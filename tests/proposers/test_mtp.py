@@ -1,0 +1,207 @@
+"""MTP modules: drafting equals the teacher-forced modules at every step, greedy identity on two
+architectures (separate modules and recursive reuse), the sampled law with a negative control,
+checkpoints and bad input.
+
+The modules are fitted briefly by the MTP objective on the target's greedy continuations,
+so that drafts are accepted often and rejected often.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from heads import fit, greedy_sequences, tiny_qwen2
+from law import V, exact_law, law_statistics, sample_law
+from safetensors.torch import load_file, save_file
+
+import draftsmith.verify.rejection as rejection
+from draftsmith.proposers import load_proposer
+from draftsmith.proposers.base import InputError, SamplingParams
+from draftsmith.proposers.mtp import MtpProposer
+from draftsmith.training.mtp import MtpObjective
+from draftsmith.verify import SpeculativeDecoder
+
+N_LAW = 2000
+N_CONTROL = 1500
+
+
+def fit_modules(target, num_modules: int = 3, steps: int = 120):
+    return fit(MtpObjective(num_modules=num_modules), target, greedy_sequences(target), lr=3e-3, steps=steps, build_seed=0)
+
+
+def random_prompts(count: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, 128, (count, 6), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def targets(make_llama):
+    return {"llama": make_llama(layers=2), "qwen2": tiny_qwen2(layers=2)}
+
+
+@pytest.fixture(scope="module")
+def modules(targets):
+    return {arch: fit_modules(target) for arch, target in targets.items()}
+
+
+class Checked(MtpProposer):
+    """Checks every chain against the modules run teacher-forced over the context plus the chain."""
+
+    def __init__(self, modules, target, **kwargs):
+        super().__init__(modules, target=target, **kwargs)
+        self.target, self.checked = target, 0
+
+    def propose(self, context):
+        draft = super().propose(context)
+        tokens, n = context.tokens, len(context.tokens)
+        guesses = draft.token_ids.tolist()[: self.num_modules]
+        if not guesses:
+            return draft
+        sequence = torch.tensor([tokens + guesses])
+        with torch.no_grad():
+            hidden = self.target(sequence[:, : n - 1], output_hidden_states=True).hidden_states[-1].float()
+            for m, guess in enumerate(guesses):
+                rows = n - 1  # positions 0 .. n - 2; row p reads token p + m + 1
+                hidden = self.modules.causal(m, sequence[:, m + 1 : m + 1 + rows], hidden[:, :rows])
+                assert int(self.modules.logits(m, hidden[0, -1]).argmax()) == guess, (n, m)
+        self.checked += 1
+        return draft
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_drafts_equal_the_teacher_forced_modules_at_every_step(arch, targets, modules):
+    target = targets[arch]
+    proposer = Checked(modules[arch], target)
+    for prompt in random_prompts(3, seed=7):
+        SpeculativeDecoder(target, proposer).generate(prompt[None], max_new_tokens=30)
+    assert proposer.checked >= 15
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize(("k", "recursive"), [(3, False), (2, False), (5, True)])
+def test_greedy_is_token_identical_to_plain(arch, k, recursive, targets, modules):
+    target = targets[arch]
+    decoder = SpeculativeDecoder(target, MtpProposer(modules[arch], k=k, recursive=recursive, target=target))
+    plain = SpeculativeDecoder(target)
+    accepted = 0
+    for prompt in random_prompts(4, seed=3):
+        result = decoder.generate(prompt[None], max_new_tokens=32)
+        assert result.new_tokens == plain.generate(prompt[None], max_new_tokens=32).new_tokens
+        accepted += sum(result.stats.accept_lengths)
+    assert accepted > 0
+
+
+@pytest.fixture(scope="module")
+def law_setup(make_llama):
+    target = make_llama(vocab_size=V, hidden_size=16, layers=2, seed=5)
+    return target, fit_modules(target, num_modules=2, steps=80)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_sampled_output_follows_the_target_law(temperature, law_setup, law_check):
+    target, fitted = law_setup
+    sampling = SamplingParams(temperature)
+    counts, accepted = sample_law(target, MtpProposer(fitted, target=target), sampling, N_LAW)
+    for name, (stat, critical, tv) in law_statistics(counts, exact_law(target, sampling), N_LAW, law_check).items():
+        assert stat < critical, f"{name}: chi2 {stat:.1f} >= {critical:.1f} (TV {tv:.3f})"
+    assert 0.05 < sum(a > 0 for a in accepted) / len(accepted) < 0.95  # first drafts accepted and rejected
+
+
+def test_negative_control_broken_residual_fails_the_law_test(law_setup, law_check, monkeypatch):
+    monkeypatch.setattr(rejection, "residual_distribution", lambda target_probs, draft_probs, token: target_probs)
+    target, fitted = law_setup
+    sampling = SamplingParams(1.0)
+    counts, _ = sample_law(target, MtpProposer(fitted, target=target), sampling, N_CONTROL)
+    results = law_statistics(counts, exact_law(target, sampling), N_CONTROL, law_check)
+    assert any(stat >= critical for stat, critical, _ in results.values()), results
+
+
+def test_save_load_and_bad_checkpoints(targets, modules, make_llama, tmp_path):
+    target = targets["llama"]
+    modules["llama"].save(tmp_path / "mtp")
+    loaded = load_proposer({"type": "mtp", "model": str(tmp_path / "mtp")}, target=target)
+    for name, tensor in modules["llama"].state_dict().items():
+        assert torch.equal(loaded.modules.state_dict()[name], tensor)
+    with pytest.raises(InputError, match="deeper than the 3 MTP module"):
+        load_proposer({"type": "mtp", "model": str(tmp_path / "mtp"), "k": 4}, target=target)
+    with pytest.raises(InputError, match="hidden size 32 do not fit this target's hidden size 16"):
+        load_proposer({"type": "mtp", "model": str(tmp_path / "mtp")}, target=make_llama(hidden_size=16))
+    with pytest.raises(InputError, match="vocabulary 128 do not fit this target's vocabulary 64"):
+        load_proposer({"type": "mtp", "model": str(tmp_path / "mtp")}, target=make_llama(vocab_size=64))
+    with pytest.raises(InputError, match="load them with the target"):
+        load_proposer({"type": "mtp", "model": str(tmp_path / "mtp")})
+    tensors = load_file(str(tmp_path / "mtp" / "model.safetensors"))
+    del tensors["layers.2.eh_proj.weight"]
+    save_file(tensors, str(tmp_path / "mtp" / "model.safetensors"))
+    with pytest.raises(InputError, match=r"layers\.2\.eh_proj\.weight"):
+        load_proposer({"type": "mtp", "model": str(tmp_path / "mtp")}, target=target)
+
+
+def test_bad_objective_settings_are_refused():
+    for kwargs, message in (({"num_modules": 0}, "num_modules"), ({"loss": "mse"}, "draft.loss"), ({"decay": -1.0}, "draft.decay")):
+        with pytest.raises(InputError, match=message):
+            MtpObjective(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------
+# Modules shipped inside a model checkpoint
+
+
+def write_native(modules, directory, layout: str, base_layers: int = 2):
+    """``modules``' tensors renamed to ``layout``'s names, in a checkpoint directory whose config announces them."""
+    from draftsmith.proposers.mtp_native import BIASES, BLOCK, LAYOUTS
+
+    prefix, own, shared, hidden_first = LAYOUTS[layout]
+    state = modules.state_dict()
+    out = {}
+    for i in range(modules.cfg.num_modules):
+        where = prefix.format(n=base_layers + i, i=i)
+        out |= {f"{where}{name}": state[f"layers.{i}.{name}"] for name in BLOCK + BIASES if f"layers.{i}.{name}" in state}
+        for theirs, ours in (own | shared).items():
+            tensor = state[f"layers.{i}.{ours}.weight"]
+            if hidden_first and ours == "eh_proj":
+                embed, hidden = tensor.chunk(2, dim=1)
+                tensor = torch.cat([hidden, embed], dim=1)
+            out[f"{where}{theirs}.weight" if theirs in own else f"{theirs}.weight"] = tensor
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in out.items()}, str(directory / "model-mtp.safetensors"))
+    config = {"model_type": layout, "num_hidden_layers": base_layers, "num_nextn_predict_layers": modules.cfg.num_modules}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize("layout", ["deepseek_v3", "qwen3_next", "mimo"])
+def test_native_layouts_load_and_draft_as_the_modules_written(layout, targets, modules, tmp_path):
+    target = targets["llama"]
+    source = modules["llama"] if layout != "qwen3_next" else fit_modules(target, num_modules=1, steps=40)  # one shared fc / norms
+    directory = write_native(source, tmp_path / layout, layout)
+    loaded = load_proposer({"type": "mtp", "model": str(directory)}, target=target)
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(loaded.modules.state_dict()[name], tensor), name
+    reference = MtpProposer(source, target=target)
+    for prompt in random_prompts(3, seed=11):
+        drafted = SpeculativeDecoder(target, loaded).generate(prompt[None], max_new_tokens=24)
+        assert (
+            drafted.stats.accept_lengths
+            == SpeculativeDecoder(target, reference).generate(prompt[None], max_new_tokens=24).stats.accept_lengths
+        )
+
+
+def test_native_checkpoints_that_do_not_hold_what_they_announce_are_refused(targets, modules, tmp_path):
+    target = targets["llama"]
+    directory = write_native(modules["llama"], tmp_path / "short", "deepseek_v3")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 4}))
+    with pytest.raises(InputError, match=r"announces 4 MTP module\(s\).*lack \['model\.layers\.5\."):
+        load_proposer({"type": "mtp", "model": str(directory)}, target=target)
+    tensors = load_file(str(directory / "model-mtp.safetensors"))
+    tensors["model.layers.2.self_attn.kv_a_proj_with_mqa.weight"] = torch.zeros(4, 4)
+    save_file(tensors, str(directory / "model-mtp.safetensors"))
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="MLA attention or MoE experts"):
+        load_proposer({"type": "mtp", "model": str(directory)}, target=target)
+    (directory / "config.json").write_text(json.dumps({"model_type": "llama", "num_nextn_predict_layers": 1}))
+    save_file({"model.norm.weight": torch.ones(4)}, str(directory / "model-mtp.safetensors"))
+    with pytest.raises(InputError, match="no known layout"):
+        load_proposer({"type": "mtp", "model": str(directory)}, target=target)
