@@ -131,7 +131,13 @@ class MtpModules(nn.Module):
         """``config.json`` (``num_nextn_predict_layers`` and the shape) and ``model.safetensors`` (``layers.{d}.*``)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        config = {"model_type": "draftsmith_mtp", "num_nextn_predict_layers": self.cfg.num_modules, "draftsmith_mtp": asdict(self.cfg)}
+        config = {
+            "model_type": "draftsmith_mtp",
+            "num_nextn_predict_layers": self.cfg.num_modules,
+            "hidden_size": self.cfg.hidden_size,
+            "vocab_size": self.cfg.vocab_size,
+            "draftsmith_mtp": asdict(self.cfg),
+        }
         (out / CONFIG).write_text(json.dumps(config, indent=1))
         tensors = {name: t.detach().to(dtype).contiguous() for name, t in self.state_dict().items()}
         save_file(tensors, str(out / WEIGHTS))

@@ -172,13 +172,14 @@ def _mixed_rows(docs: dict[str, list[Document]], num_prompts: int, prompt_chars:
 #: calibrated with its heads. EAGLE: the EAGLE-1 head drafts 5-token chains (eagle1) and
 #: EAGLE-2's dynamic trees (eagle2); the EAGLE-3 head the same dynamic trees (6 deep, 3
 #: children per expanded node, 24 nodes: its tau is 1.5x the draft model's on code and
-#: prose there, benchmarks/RESULTS.md).
+#: prose there, benchmarks/RESULTS.md). MTP: the 3 modules draft a 3-token chain.
 SHIPPED = {
     "demo_draft": ("demo_draft", {"type": "draft_model", "k": 6, "confidence_threshold": 0.4}),
     "medusa": ("demo_medusa", {"type": "medusa"}),
     "eagle1": ("demo_eagle1", {"type": "eagle", "k": 5}),
     "eagle2": ("demo_eagle1", {"type": "eagle", "k": 6, "tree_width": 3, "max_nodes": 24}),
     "eagle3": ("demo_eagle3", {"type": "eagle", "k": 6, "tree_width": 3, "max_nodes": 24}),
+    "mtp": ("demo_mtp", {"type": "mtp"}),
 }
 
 
