@@ -14,8 +14,10 @@ Those draft rows are dropped from its cache before the next step. With ``recursi
 depths past the last module reuse it one position further each time, reading its own
 previous output (as engines do with a checkpoint that ships a single module).
 
-The guesses are a chain of point masses (top-1 of each module, or a sample at T > 0 with
-its true draft distribution), so the output is exact at every temperature.
+A chain by default (each module's top-1 guess, a point mass; at T > 0 a sample with its
+true draft distribution); with ``tree_width > 1`` a top-k (or sampled) tree through the
+shared dynamic tree builder, whose node at depth d is scored by module d + 1 run over that
+node's own path. The output is exact at every temperature.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from .base import Draft, InputError, ProposeContext, TargetFeatures, VerifyResul
 from .cache import PreallocatedLayer
 from .eagle_head import MLP, Attention, RMSNorm, RotaryTable, cached_attention
 from .engine import CONFIG, WEIGHTS, check_tensors
+from .tree import grow_dynamic_tree
 
 CACHE_HEADROOM = 64
 BIASED_ATTENTION = ("qwen2", "mimo")  # model types whose attention has q / k / v biases without saying so in the config
@@ -203,14 +206,29 @@ class MtpProposer:
         model: a directory written by ``MtpModules.save`` (the trainer's ``type: mtp``), a model
             checkpoint that ships MTP modules (``proposers.mtp_native``: DeepSeek-V3, GLM-4.5,
             Qwen3-Next, MiMo layouts), or modules.
-        k: chain depth (default: the number of modules). Above it only with ``recursive``.
-        recursive: reuse the last module for the depths past the modules' number.
+        k: draft depth (default: the number of modules). Above it only with ``recursive``.
+        recursive: reuse the last module for the depths past the modules' number (chains).
+        tree_width: 1 drafts a chain; more grows a top-``tree_width`` tree through the shared
+            dynamic tree builder (``proposers.tree``), each node scored by the next module
+            over its own path.
+        max_nodes: a tree's node budget (None: no limit beyond width and depth).
+        sample: at T > 0, a tree's children are sampled with their true draft distributions
+            (False: top-k point masses).
         target: the target (its embedding, LM head and shape).
     """
 
     hidden_layers: tuple[int, ...] = (-1,)
 
-    def __init__(self, model: MtpModules | str | Path, k: int | None = None, recursive: bool = False, target: nn.Module | None = None):
+    def __init__(
+        self,
+        model: MtpModules | str | Path,
+        k: int | None = None,
+        recursive: bool = False,
+        tree_width: int = 1,
+        max_nodes: int | None = None,
+        sample: bool = True,
+        target: nn.Module | None = None,
+    ):
         if isinstance(model, (str, Path)):
             if target is None:
                 raise InputError("MTP modules share the target's embedding and LM head: load them with the target")
@@ -226,6 +244,13 @@ class MtpProposer:
             raise InputError(
                 f"k={self.k} is deeper than the {self.num_modules} MTP module(s): lower k or set recursive: true to reuse the last module"
             )
+        if check_integer("tree_width", tree_width) < 1:
+            raise InputError(f"tree_width must be >= 1 (1: a chain), got {tree_width}")
+        if tree_width > 1 and self.k > self.num_modules:
+            raise InputError("recursive reuse drafts chains: a tree (tree_width > 1) is at most as deep as the modules")
+        if max_nodes is not None and check_integer("max_nodes", max_nodes) < 1:
+            raise InputError(f"max_nodes must be >= 1, got {max_nodes}")
+        self.tree_width, self.max_nodes, self.sample = tree_width, max_nodes, sample
         self.recursive, self.vocab_size = recursive, model.cfg.vocab_size
         self.device = next(model.parameters()).device
         self.caches: list[PreallocatedLayer] = []
@@ -258,6 +283,8 @@ class MtpProposer:
             raise ValueError("propose() before begin(): the MTP proposer needs the prompt's features")
         tokens, n = context.tokens, len(context.tokens)
         depth = min(self.k, context.max_depth)
+        if self.tree_width > 1:
+            return self._tree(context, depth)
         guesses: list[int] = []
         rows: list[torch.Tensor | None] = []
         drafted: torch.Tensor | None = None  # the previous module's outputs at its rows of guessed tokens
@@ -291,6 +318,41 @@ class MtpProposer:
         if not guesses:
             return Draft.empty()
         return Draft.chain(guesses, torch.stack(rows) if rows[0] is not None else None)
+
+    def _tree(self, context: ProposeContext, depth: int) -> Draft:
+        """A top-``tree_width`` tree through the shared builder; a node at depth d is scored by module d + 1 over its path."""
+        n = len(context.tokens)
+        ready = 0  # modules caught up to the root, with their first input row at hand
+        for m in range(min(depth, self.num_modules)):
+            self.caches[m].truncate(self.fed[m])
+            self._catch_up(m, context.tokens)
+            if self.fed[m] != n - 1 - m or (m > 0 and self.pending[m] is None) or self.last[0] is None:
+                break
+            ready = m + 1
+        if ready == 0:
+            return Draft.empty()
+        rows: dict[int, torch.Tensor] = {-1: self.last[0][:0]}  # node -> module d + 1's rows along its path
+
+        def score(tree, nodes: list[int]) -> torch.Tensor:
+            logits = []
+            for node in nodes:
+                m, path = tree.depths[node], [node]
+                while tree.parents[path[-1]] >= 0:
+                    path.append(tree.parents[path[-1]])
+                ids = torch.tensor([[tree.tokens[i] for i in reversed(path)]], device=self.device)
+                hidden = torch.cat([self.pending[m][-1:], rows[tree.parents[node]]])
+                out = self.modules.step(m, ids, hidden[None], torch.arange(n - 1 - m, n - 1, device=self.device), self.caches[m])[0]
+                self.caches[m].truncate(self.fed[m])
+                rows[node] = out
+                logits.append(self.modules.logits(m, out[-1:])[0])
+            return torch.stack(logits).float().cpu()
+
+        root = self.modules.logits(0, self.last[0])[0].float().cpu()
+        sampled = self.sample and not context.sampling.greedy
+        grown = grow_dynamic_tree(
+            root, score, ready, self.tree_width, context.sampling, sampled, max_nodes=self.max_nodes, generator=context.generator
+        )
+        return grown.draft
 
     def _catch_up(self, m: int, tokens: list[int]) -> None:
         """Run module m over the committed positions it has not seen: p <= n - 2 - m (it reads token p + m + 1)."""

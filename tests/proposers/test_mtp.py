@@ -79,10 +79,11 @@ def test_drafts_equal_the_teacher_forced_modules_at_every_step(arch, targets, mo
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize(("k", "recursive"), [(3, False), (2, False), (5, True)])
-def test_greedy_is_token_identical_to_plain(arch, k, recursive, targets, modules):
+@pytest.mark.parametrize(("k", "recursive", "width"), [(3, False, 1), (2, False, 1), (5, True, 1), (3, False, 2)])
+def test_greedy_is_token_identical_to_plain(arch, k, recursive, width, targets, modules):
     target = targets[arch]
-    decoder = SpeculativeDecoder(target, MtpProposer(modules[arch], k=k, recursive=recursive, target=target))
+    proposer = MtpProposer(modules[arch], k=k, recursive=recursive, tree_width=width, max_nodes=8, target=target)
+    decoder = SpeculativeDecoder(target, proposer)
     plain = SpeculativeDecoder(target)
     accepted = 0
     for prompt in random_prompts(4, seed=3):
@@ -98,11 +99,12 @@ def law_setup(make_llama):
     return target, fit_modules(target, num_modules=2, steps=80)
 
 
-@pytest.mark.parametrize("temperature", [0.7, 1.0])
-def test_sampled_output_follows_the_target_law(temperature, law_setup, law_check):
+@pytest.mark.parametrize(("temperature", "width"), [(0.7, 1), (1.0, 1), (1.0, 2)])
+def test_sampled_output_follows_the_target_law(temperature, width, law_setup, law_check):
+    """Chains and sampled trees (siblings drawn without replacement, with their true distributions)."""
     target, fitted = law_setup
     sampling = SamplingParams(temperature)
-    counts, accepted = sample_law(target, MtpProposer(fitted, target=target), sampling, N_LAW)
+    counts, accepted = sample_law(target, MtpProposer(fitted, tree_width=width, target=target), sampling, N_LAW)
     for name, (stat, critical, tv) in law_statistics(counts, exact_law(target, sampling), N_LAW, law_check).items():
         assert stat < critical, f"{name}: chi2 {stat:.1f} >= {critical:.1f} (TV {tv:.3f})"
     assert 0.05 < sum(a > 0 for a in accepted) / len(accepted) < 0.95  # first drafts accepted and rejected
@@ -129,6 +131,8 @@ def test_save_load_and_bad_checkpoints(targets, modules, make_llama, tmp_path):
         load_proposer({"type": "mtp", "model": str(tmp_path / "mtp")}, target=make_llama(hidden_size=16))
     with pytest.raises(InputError, match="vocabulary 128 do not fit this target's vocabulary 64"):
         load_proposer({"type": "mtp", "model": str(tmp_path / "mtp")}, target=make_llama(vocab_size=64))
+    with pytest.raises(InputError, match="recursive reuse drafts chains"):
+        load_proposer({"type": "mtp", "model": str(tmp_path / "mtp"), "k": 4, "recursive": True, "tree_width": 2}, target=target)
     with pytest.raises(InputError, match="load them with the target"):
         load_proposer({"type": "mtp", "model": str(tmp_path / "mtp")})
     tensors = load_file(str(tmp_path / "mtp" / "model.safetensors"))
