@@ -14,7 +14,7 @@ from draftsmith.proposers.composite import CompositeProposer
 from draftsmith.proposers.tree import merge_drafts
 from draftsmith.verify import SpeculativeDecoder
 
-N_LAW = 2000
+N_LAW = 1500
 N_CONTROL = 600
 SUFFIX = {"type": "suffix", "cache_prompts": True, "alpha": 4.0, "min_token_prob": 0.05, "min_score": 0.5}
 

@@ -23,7 +23,7 @@ from draftsmith.proposers.mtp import MtpProposer
 from draftsmith.training.mtp import MtpObjective
 from draftsmith.verify import SpeculativeDecoder
 
-N_LAW = 2000
+N_LAW = 1200
 N_CONTROL = 1500
 
 

@@ -19,7 +19,7 @@ from draftsmith.proposers.suffix import SuffixProposer, SuffixTrie
 from draftsmith.verify import SpeculativeDecoder
 
 GREEDY = SamplingParams()
-N_LAW = 2000
+N_LAW = 1500
 
 
 def propose(proposer, tokens, max_depth=16):
