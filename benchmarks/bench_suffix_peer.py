@@ -9,7 +9,7 @@ per request); ``suffix_outputs`` is ours with the same setting and its default f
 Needs the ``arctic-inference`` package, which builds from source on a CPU-only machine in
 its own venv (torch first, then the build tools, then the package without build isolation):
 
-    python -m venv /tmp/arctic && . /tmp/arctic/bin/activate && pip install torch==2.13.0
+    python -m venv .venv-arctic && . .venv-arctic/bin/activate && pip install torch==2.13.0
     pip install setuptools wheel ninja cmake nanobind==2.9.2 protobuf==5.29.6 grpcio-tools numpy
     pip install --no-build-isolation --no-deps arctic-inference==0.3.0 && pip install -e .
     python benchmarks/bench_suffix_peer.py [--output outputs/suffix_peer] [--prompts 8]
