@@ -398,6 +398,25 @@ def draft_for_target(cfg: EagleConfig, target: nn.Module) -> EagleDraft:
     return draft.to(target.device)
 
 
+def layer_shape(
+    target: nn.Module, num_heads: int | None = None, num_kv_heads: int | None = None, intermediate_size: int | None = None
+) -> dict:
+    """A draft layer as wide as ``target``'s: its heads, head size, MLP width, norm epsilon and rotary base, unless given."""
+    tc = target.config
+    hidden = tc.hidden_size
+    heads = num_heads or tc.num_attention_heads
+    rope = getattr(tc, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
+    return {
+        "num_heads": heads,
+        "num_kv_heads": num_kv_heads or getattr(tc, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(tc, "head_dim", None) or hidden // heads,
+        "intermediate_size": intermediate_size or getattr(tc, "intermediate_size", 4 * hidden),
+        "rms_norm_eps": float(getattr(tc, "rms_norm_eps", 1e-6)),
+        "rope_theta": float(theta),
+    }
+
+
 def config_for_target(
     target: nn.Module,
     version: int,
@@ -408,13 +427,9 @@ def config_for_target(
     intermediate_size: int | None = None,
 ) -> EagleConfig:
     """The EAGLE shape for ``target``: its hidden size, positions' rotary, heads and vocabulary unless given."""
-    tc = target.config
-    hidden = tc.hidden_size
-    heads = num_heads or tc.num_attention_heads
+    hidden = target.config.hidden_size
     vocab = output_vocab_size(target)
-    rope = getattr(tc, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
-    layers = int(tc.num_hidden_layers)
+    layers = int(target.config.num_hidden_layers)
     return EagleConfig(
         version=version,
         hidden_size=hidden,
@@ -423,10 +438,5 @@ def config_for_target(
         aux_layers=[-1] if version == 1 else list(aux_layers or default_aux_layers(layers)),
         vocab_size=vocab,
         draft_vocab_size=vocab if version == 1 else (draft_vocab_size or vocab),
-        num_heads=heads,
-        num_kv_heads=num_kv_heads or getattr(tc, "num_key_value_heads", None) or heads,
-        head_dim=getattr(tc, "head_dim", None) or hidden // heads,
-        intermediate_size=intermediate_size or getattr(tc, "intermediate_size", 4 * hidden),
-        rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
+        **layer_shape(target, num_heads, num_kv_heads, intermediate_size),
     )

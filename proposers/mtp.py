@@ -34,7 +34,7 @@ from torch import nn
 
 from .base import Draft, InputError, ProposeContext, TargetFeatures, VerifyResult, check_integer, logits_to_probs, output_vocab_size
 from .cache import PreallocatedLayer
-from .eagle_head import MLP, Attention, RMSNorm, RotaryTable, cached_attention
+from .eagle_head import MLP, Attention, RMSNorm, RotaryTable, cached_attention, layer_shape
 from .engine import CONFIG, WEIGHTS, check_tensors
 from .tree import grow_dynamic_tree
 
@@ -149,20 +149,12 @@ class MtpModules(nn.Module):
 def config_for_target(target: nn.Module, num_modules: int, intermediate_size: int | None = None) -> MtpConfig:
     """MTP modules as wide as ``target``, with its heads, rotary and vocabulary."""
     tc = target.config
-    heads = tc.num_attention_heads
-    rope = getattr(tc, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
     return MtpConfig(
         hidden_size=tc.hidden_size,
         vocab_size=output_vocab_size(target),
         num_modules=num_modules,
-        num_heads=heads,
-        num_kv_heads=getattr(tc, "num_key_value_heads", None) or heads,
-        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
-        intermediate_size=intermediate_size or tc.intermediate_size,
-        rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
-        rope_theta=float(theta),
         attention_bias=bool(getattr(tc, "attention_bias", False)) or tc.model_type in BIASED_ATTENTION,
+        **layer_shape(target, intermediate_size=intermediate_size),
     )
 
 
@@ -287,21 +279,14 @@ class MtpProposer:
             return self._tree(context, depth)
         guesses: list[int] = []
         rows: list[torch.Tensor | None] = []
-        drafted: torch.Tensor | None = None  # the previous module's outputs at its rows of guessed tokens
-        for m in range(min(depth, self.num_modules)):
-            self.caches[m].truncate(self.fed[m])  # the last step's rows of guessed tokens
-            self._catch_up(m, tokens)
+        current = None
+        for m in range(self._prepare(tokens, depth)):
             if m == 0:
                 current = self.last[0]  # position n - 2, which reads the root: depth 1
             else:  # positions n - 1 - m .. n - 2, which read the guesses of depths 1 .. m
-                if self.pending[m] is None or self.fed[m] != n - 1 - m:
-                    break  # a prompt too short for this module
-                inputs = self.pending[m][-1:] if drafted is None else torch.cat([self.pending[m][-1:], drafted])
-                ids = torch.tensor([guesses[:m]], device=self.device)
+                inputs = torch.cat([self.pending[m][-1:], current if m > 1 else current[:0]])
+                ids = torch.tensor([guesses], device=self.device)
                 current = self.modules.step(m, ids, inputs[None], torch.arange(n - 1 - m, n - 1, device=self.device), self.caches[m])[0]
-                drafted = current
-            if current is None:
-                break
             guess, row = self._choose(self.modules.logits(m, current[-1:])[0], context)
             guesses.append(guess)
             rows.append(row)
@@ -322,13 +307,7 @@ class MtpProposer:
     def _tree(self, context: ProposeContext, depth: int) -> Draft:
         """A top-``tree_width`` tree through the shared builder; a node at depth d is scored by module d + 1 over its path."""
         n = len(context.tokens)
-        ready = 0  # modules caught up to the root, with their first input row at hand
-        for m in range(min(depth, self.num_modules)):
-            self.caches[m].truncate(self.fed[m])
-            self._catch_up(m, context.tokens)
-            if self.fed[m] != n - 1 - m or (m > 0 and self.pending[m] is None) or self.last[0] is None:
-                break
-            ready = m + 1
+        ready = self._prepare(context.tokens, depth)
         if ready == 0:
             return Draft.empty()
         rows: dict[int, torch.Tensor] = {-1: self.last[0][:0]}  # node -> module d + 1's rows along its path
@@ -353,6 +332,17 @@ class MtpProposer:
             root, score, ready, self.tree_width, context.sampling, sampled, max_nodes=self.max_nodes, generator=context.generator
         )
         return grown.draft
+
+    def _prepare(self, tokens: list[int], depth: int) -> int:
+        """Drop the last step's guessed rows and catch every module up to the root; return how many are ready to draft
+        (caught up, with their first input row at hand: a short prompt leaves deeper modules out)."""
+        n = len(tokens)
+        for m in range(min(depth, self.num_modules)):
+            self.caches[m].truncate(self.fed[m])
+            self._catch_up(m, tokens)
+            if self.fed[m] != n - 1 - m or (m > 0 and self.pending[m] is None) or self.last[0] is None:
+                return m
+        return min(depth, self.num_modules)
 
     def _catch_up(self, m: int, tokens: list[int]) -> None:
         """Run module m over the committed positions it has not seen: p <= n - 2 - m (it reads token p + m + 1)."""
