@@ -11,6 +11,7 @@ names its member (``Draft.source``), which the decoder's stats count per step.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from .base import Draft, InputError, ProposeContext, TargetFeatures, VerifyResult, output_vocab_size
@@ -81,7 +82,7 @@ class CompositeProposer:
             for name, member in zip(self.names, self.members, strict=True):
                 draft = member.propose(context)
                 if draft.num_nodes:
-                    return Draft(draft.token_ids, draft.parents, draft.draft_probs, name)
+                    return replace(draft, source=name)
             return Draft.empty()
         drafts = [(name, member.propose(context)) for name, member in zip(self.names, self.members, strict=True)]
         drafts = [(name, draft) for name, draft in drafts if draft.num_nodes]
@@ -89,7 +90,7 @@ class CompositeProposer:
             return Draft.empty()
         if len(drafts) == 1:  # one tree as it is, draft distributions kept
             name, draft = drafts[0]
-            return Draft(draft.token_ids, draft.parents, draft.draft_probs, name)
+            return replace(draft, source=name)
         budget = self.max_nodes if self.max_nodes is not None else sum(draft.num_nodes for _, draft in drafts)
         return merge_drafts([draft for _, draft in drafts], budget, "+".join(name for name, _ in drafts))
 

@@ -76,6 +76,14 @@ def resolve_type(values: Mapping[str, Any], registry: Mapping[str, str | type], 
 # --- reading -----------------------------------------------------------------------
 
 
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to a hidden file beside ``path``, then rename it over ``path``: a kill leaves the old file or the new one."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.tmp")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 def read_text(path: str | Path, what: str = "file", max_bytes: int | None = None) -> str:
     """The text of a UTF-8 file; a missing, binary or non-UTF-8 file is one InputError line naming it.
 

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
+from draftsmith.proposers.config import write_text_atomic
+
 # --- configs ---------------------------------------------------------------
 
 
@@ -118,7 +120,7 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, state: TrainState, 
     if accelerator.is_main_process:
         for old in checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old)
-        _write_atomic(Path(run_dir, "loss_curve.json"), json.dumps(state.curve))
+        write_text_atomic(Path(run_dir, "loss_curve.json"), json.dumps(state.curve))
     accelerator.wait_for_everyone()
     return final
 
@@ -179,12 +181,6 @@ def small_llama(
         pad_token_id=tokenizer.pad_token_id,
     )
     return LlamaForCausalLM(config)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    partial = path.with_name(f".{path.name}.tmp")
-    partial.write_text(text)
-    os.replace(partial, path)
 
 
 @contextlib.contextmanager
