@@ -59,3 +59,18 @@ def law_statistics(counts: Counter, law: dict, n: int, law_check) -> dict[str, t
     for outcome, p in law.items():
         pair_law[outcome[:2]] += p
     return {"tokens 1-3": law_check(counts, law, n), "tokens 1-2": law_check(pair_counts, dict(pair_law), n)}
+
+
+def assert_follows_law(target, proposer, sampling: SamplingParams, n: int, law_check, label: str = "") -> list[int]:
+    """Sample ``n`` requests and assert both statistics are under their critical values; return each first step's accepted tokens."""
+    counts, accepted = sample_law(target, proposer, sampling, n)
+    for name, (stat, critical, tv) in law_statistics(counts, exact_law(target, sampling), n, law_check).items():
+        assert stat < critical, f"{label}{name}: chi2 {stat:.1f} >= {critical:.1f} (TV {tv:.3f})"
+    return accepted
+
+
+def assert_law_rejects(target, proposer, sampling: SamplingParams, n: int, law_check) -> None:
+    """The negative control (the caller has broken the sampler): at least one statistic reaches its critical value."""
+    counts, _ = sample_law(target, proposer, sampling, n)
+    results = law_statistics(counts, exact_law(target, sampling), n, law_check)
+    assert any(stat >= critical for stat, critical, _ in results.values()), results
