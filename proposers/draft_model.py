@@ -22,6 +22,7 @@ from transformers import DynamicCache
 
 from .base import Draft, InputError, ProposeContext, TargetFeatures, TransformersPeer, VerifyResult, output_vocab_size
 from .cache import make_cache
+from .engine import EngineExport, check_format, write_export, write_spec
 from .lean_forward import LEAN_MAX_ROWS, fast_paths, forward_mode
 from .models import TOKENIZER_FILES, check_full_attention, context_limit, load_causal_lm, load_tokenizer
 from .tree import DraftTree, compact_cache, crop_cache, grow_dynamic_tree, incremental_tree_mask
@@ -116,6 +117,24 @@ class DraftModelProposer:
     def transformers_peer(self) -> TransformersPeer:
         """transformers' assisted generation with the same draft model."""
         return TransformersPeer("hf_assisted", {"assistant_model": self.model})
+
+    def export(self, out_dir: str | Path, format: str = "vllm") -> EngineExport:
+        """The draft model's ``save_pretrained`` directory for vLLM's ``draft_model`` method, checked tensor by tensor.
+
+        vLLM drafts a chain of ``k`` tokens every step: a tree, a dynamic depth or a
+        confidence threshold here is not part of the export (a warning says so).
+        """
+        check_format(format, ("vllm",), "draft_model")
+        if self.tree_width > 1 or self.dynamic or self.confidence_threshold is not None:
+            warnings.warn(
+                f"vLLM's draft_model method drafts a {self.k}-token chain every step; tree_width, dynamic and "
+                "confidence_threshold are not exported",
+                stacklevel=2,
+            )
+        config = self.model.config
+        fields = {"vocab_size": config.vocab_size, "model_type": config.model_type}
+        path = write_export(out_dir, lambda d: self.model.save_pretrained(d), saved_tensors(self.model), fields)
+        return write_spec(EngineExport(path, format, {"method": "draft_model", "model": str(path), "num_speculative_tokens": self.k}))
 
     @property
     def cache_len(self) -> int:
@@ -295,6 +314,13 @@ def load_draft_model(path: str | Path, device: torch.device | None = None) -> nn
     if any((path / name).is_file() for name in TOKENIZER_FILES):
         load_tokenizer(path, "draft")  # checked here, so that a broken file fails at load time, not at first use
     return model.to(device) if device is not None else model
+
+
+def saved_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors ``save_pretrained`` writes: the state dict without the second name of a tied tensor."""
+    kept = set(dict(model.named_parameters(remove_duplicate=True))) | set(dict(model.named_buffers()))
+    tied = set(model.state_dict()) - kept
+    return {name: tensor.detach().cpu() for name, tensor in model.state_dict().items() if name not in tied}
 
 
 def check_vocabulary(draft: nn.Module, target: nn.Module) -> None:

@@ -38,7 +38,7 @@ from torch import nn
 from .base import Draft, InputError, ProposeContext, TargetFeatures, VerifyResult, check_integer
 from .cache import PreallocatedLayer
 from .eagle_head import EagleDraft, check_fits_target, checkpoint_config, load_draft
-from .engine import EngineExport, check_format, write_export
+from .engine import EngineExport, check_format, write_export, write_spec
 from .tree import DraftTree, grow_dynamic_tree, incremental_tree_mask
 
 CACHE_HEADROOM = 256
@@ -130,7 +130,7 @@ class EagleProposer:
             }
         else:
             spec = {"method": "eagle3" if cfg.version == 3 else "eagle", "model": str(path), "num_speculative_tokens": self.k}
-        return EngineExport(path, format, spec)
+        return write_spec(EngineExport(path, format, spec))
 
     def begin(self, prompt: list[int], features: TargetFeatures | None) -> None:
         self.cache = PreallocatedLayer(len(prompt) + CACHE_HEADROOM)

@@ -20,9 +20,11 @@ import torch
 from safetensors.torch import load_file
 
 from .base import InputError
+from .config import write_text_atomic
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+SPEC_FILE = "speculative_config.json"  # written by every export: what the engine's speculative_config gets
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class EngineExport:
 
 
 def check_format(format: str, allowed: tuple[str, ...], family: str) -> None:
+    """InputError unless ``format`` is one of the layouts ``family`` exports to."""
     if format not in allowed:
         raise InputError(f"{family} exports to {list(allowed)}, got format {format!r}")
 
@@ -63,9 +66,7 @@ def write_export(
 
     ``out_dir`` must be new or empty; a failed write or check leaves it untouched.
     """
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise InputError(f"export directory {out_dir} is not empty: give a new or empty directory")
+    out_dir = _new_or_empty(out_dir)
     staging = out_dir.with_name(f".{out_dir.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     try:
@@ -77,6 +78,27 @@ def write_export(
     if out_dir.exists():
         out_dir.rmdir()
     staging.rename(out_dir)
+    return out_dir
+
+
+def config_export(out_dir: str | Path, format: str, speculative_config: Mapping[str, Any]) -> EngineExport:
+    """An export that is the engine's settings alone (n-gram, suffix: nothing trained), in ``out_dir/speculative_config.json``."""
+    out_dir = _new_or_empty(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out_dir / SPEC_FILE, json.dumps(dict(speculative_config), indent=1) + "\n")
+    return EngineExport(out_dir, format, dict(speculative_config))
+
+
+def write_spec(export: EngineExport) -> EngineExport:
+    """Write ``export.speculative_config`` into its directory (``speculative_config.json``) and return it."""
+    write_text_atomic(export.path / SPEC_FILE, json.dumps(export.speculative_config, indent=1) + "\n")
+    return export
+
+
+def _new_or_empty(out_dir: str | Path) -> Path:
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise InputError(f"export directory {out_dir} is not empty: give a new or empty directory")
     return out_dir
 
 

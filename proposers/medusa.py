@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .base import Draft, InputError, ProposeContext, TargetFeatures, VerifyResult, check_integer, output_vocab_size
-from .engine import EngineExport, check_format, check_tensors, write_export
+from .engine import EngineExport, check_format, check_tensors, write_export, write_spec
 from .static_tree import StaticTree, grow_tree_by_accuracy, grow_tree_by_frequency, static_tree
 
 WEIGHTS = "model.safetensors"
@@ -290,7 +290,8 @@ class MedusaProposer:
                 (directory / CALIBRATION).write_text(json.dumps(self.calibration, indent=1) + "\n")
 
         path = write_export(out_dir, write, self.heads.state_dict(), self.heads.config())
-        return EngineExport(path, format, {"method": "medusa", "model": str(path), "num_speculative_tokens": self.heads.num_heads})
+        spec = {"method": "medusa", "model": str(path), "num_speculative_tokens": self.heads.num_heads}
+        return write_spec(EngineExport(path, format, spec))
 
 
 def _last_state(features: TargetFeatures | None) -> torch.Tensor:

@@ -8,8 +8,14 @@ tree that the verifier scores in one forward.
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
+
 from .base import Draft, InputError, ProposeContext, TargetFeatures, TransformersPeer, VerifyResult
+from .engine import EngineExport, check_format, config_export
 from .tree import merge_drafts
+
+MATCHES = ("latest", "earliest")
 
 
 class NgramProposer:
@@ -21,16 +27,33 @@ class NgramProposer:
         k: tokens proposed per branch (draft depth).
         branches: distinct earlier matches to draft from; 1 gives a chain, more a tree.
         max_nodes: node budget of a tree (default ``k * branches``).
+        match: which earlier occurrence of the longest matching n-gram drafts first:
+            ``latest`` (the most recent), or ``earliest`` (vLLM's n-gram proposer).
+        wrap: a continuation that runs into the context's end continues with its own
+            copy (a repeating pattern still gives ``k`` tokens); False stops it at the end,
+            as vLLM does.
     """
 
     hidden_layers: tuple[int, ...] = ()
 
-    def __init__(self, min_n: int = 2, max_n: int = 4, k: int = 5, branches: int = 1, max_nodes: int | None = None):
+    def __init__(
+        self,
+        min_n: int = 2,
+        max_n: int = 4,
+        k: int = 5,
+        branches: int = 1,
+        max_nodes: int | None = None,
+        match: str = "latest",
+        wrap: bool = True,
+    ):
         if not 1 <= min_n <= max_n:
             raise InputError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         if k < 1 or branches < 1:
             raise InputError(f"k and branches must be >= 1, got k={k}, branches={branches}")
+        if match not in MATCHES:
+            raise InputError(f"match must be one of {list(MATCHES)}, got {match!r}")
         self.min_n, self.max_n, self.k, self.branches = min_n, max_n, k, branches
+        self.match, self.wrap = match, wrap
         self.max_nodes = max_nodes if max_nodes is not None else k * branches
         if self.max_nodes < 1:
             raise InputError(f"max_nodes must be >= 1, got {max_nodes}")
@@ -49,6 +72,25 @@ class NgramProposer:
         if self.branches > 1:
             return None
         return TransformersPeer("hf_prompt_lookup", {"prompt_lookup_num_tokens": self.k, "max_matching_ngram_size": self.max_n})
+
+    def export(self, out_dir: str | Path, format: str = "vllm") -> EngineExport:
+        """vLLM's n-gram drafting with the same n-gram sizes and depth (its ``speculative_config``; nothing is trained).
+
+        vLLM drafts one chain per step, so a tree (``branches > 1``) is refused. It drafts
+        from the earliest match and stops at the context's end: other settings warn, as
+        the engine will draft differently (``match: earliest, wrap: false`` drafts as it does).
+        """
+        check_format(format, ("vllm",), "ngram")
+        if self.branches > 1:
+            raise InputError(f"vLLM's ngram method drafts a chain: export needs branches: 1, got branches: {self.branches}")
+        if self.match != "earliest" or self.wrap:
+            warnings.warn(
+                f"vLLM drafts from the earliest match and stops at the context's end; this proposer has match: {self.match}, "
+                f"wrap: {self.wrap} (match: earliest, wrap: false drafts as the engine does)",
+                stacklevel=2,
+            )
+        spec = {"method": "ngram", "prompt_lookup_min": self.min_n, "prompt_lookup_max": self.max_n, "num_speculative_tokens": self.k}
+        return config_export(out_dir, format, spec)
 
     def propose(self, context: ProposeContext) -> Draft:
         tokens = context.tokens
@@ -71,11 +113,12 @@ class NgramProposer:
         self._indexed = max(self._indexed, len(tokens))
 
     def _continuations(self, tokens: list[int], depth: int) -> list[list[int]]:
-        """Up to ``branches`` distinct continuations, longest suffix match first, most recent first."""
+        """Up to ``branches`` distinct continuations, longest suffix match first, then the latest (or earliest) occurrence first."""
         found: list[list[int]] = []
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
-            for start in reversed(self._index.get(tuple(tokens[-n:]), ())):
-                continuation = _copy(tokens, start, depth)
+            starts = self._index.get(tuple(tokens[-n:]), ())
+            for start in reversed(starts) if self.match == "latest" else starts:
+                continuation = _copy(tokens, start, depth) if self.wrap else tokens[start : start + depth]
                 if continuation not in found:
                     found.append(continuation)
                     if len(found) == self.branches:

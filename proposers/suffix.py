@@ -35,6 +35,7 @@ import torch
 
 from .base import Draft, InputError, ProposeContext, TargetFeatures, VerifyResult, check_integer, check_real, output_vocab_size
 from .config import read_text, write_text_atomic
+from .engine import EngineExport, check_format, config_export
 from .models import context_limit
 from .suffix_trie import SuffixTrie
 
@@ -141,6 +142,26 @@ class SuffixProposer:
         if self._pending and self.global_store:
             self._cache(self._tokens if self.cache_prompts else self._tokens[self._prompt_len :])
         self._pending = False
+
+    def export(self, out_dir: str | Path, format: str = "vllm") -> EngineExport:
+        """vLLM's ``suffix`` method (ArcticInference's suffix cache) with these settings; nothing is trained.
+
+        The engine's tree is ``max_match + k`` deep and its speculation factor is ``alpha``.
+        It differs in two ways that have no setting: it drafts the best path only (no tree
+        of ``max_nodes``), and it bounds its global store in requests, not tokens (the
+        default, 10000; 0 when ``global_store`` is off). A saved ``store`` is not exported.
+        """
+        check_format(format, ("vllm",), "suffix")
+        spec = {
+            "method": "suffix",
+            "num_speculative_tokens": self.k,
+            "suffix_decoding_max_tree_depth": self.max_match + self.k,
+            "suffix_decoding_max_spec_factor": self.alpha,
+            "suffix_decoding_min_token_prob": self.min_token_prob,
+        }
+        if not self.global_store:
+            spec["suffix_decoding_max_cached_requests"] = 0
+        return config_export(out_dir, format, spec)
 
     def transformers_peer(self):
         return None  # transformers has no suffix decoding

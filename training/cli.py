@@ -1,4 +1,4 @@
-"""The ``draftsmith`` console script: generate, eval, demo and export.
+"""The ``draftsmith`` console script: generate, eval, demo, export and engine-check.
 
 Training runs under its launchers (``accelerate launch -m draftsmith.training.train``), so
 that ``accelerate`` / ``torchrun`` start the processes; the script covers what runs in one.
@@ -48,11 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--target", help="the target directory: checks the proposer against it and names it in the serve line")
     exp.set_defaults(run=run_export)
 
+    check = commands.add_parser(
+        "engine-check", help="export proposers, serve them in vLLM (its own venv) and compare with its plain run and with draftsmith"
+    )
+    check.add_argument("--config", required=True, help="engine-check config YAML (see recipes/engine_check_demo.yaml)")
+    check.add_argument("overrides", nargs="*", help="key=value overrides of the config")
+    check.add_argument("--no-progress", action="store_true")
+    check.set_defaults(run=run_engine_check)
+
     demo = commands.add_parser("demo", help="build or reuse the offline demo target and evaluate every proposer on it")
     demo.add_argument("--quick", action="store_true", help="train the minutes-long quick target instead of using the shipped one")
     demo.add_argument("--output-dir", default="outputs/demo")
     demo.add_argument("--num-prompts", type=int, default=8, help="prompts per domain")
     demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--domains-only", action="store_true", help="write the domain files under OUTPUT_DIR/domains and stop")
     demo.set_defaults(run=run_demo)
     return parser
 
@@ -129,10 +138,31 @@ def run_export(args) -> int:
     return 0
 
 
+def run_engine_check(args) -> int:
+    """Exit code 1 when any check failed (after printing the table)."""
+    from draftsmith.verify.evaluation.engine_check import EngineCheckConfig, EngineUnavailable, engine_check
+
+    try:
+        summary = engine_check(EngineCheckConfig.from_yaml(args.config, args.overrides), progress=not args.no_progress)
+    except EngineUnavailable as err:
+        print(f"draftsmith engine-check: the engine is unavailable: {err}", file=sys.stderr)
+        return 1
+    print_summary(summary)
+    if not summary["passed"]:
+        print("draftsmith engine-check: FAILED (see the check column)", file=sys.stderr)
+        return 1
+    return 0
+
+
 def run_demo(args) -> int:
     from draftsmith.training.demo.run import run_demo as demo
 
-    print_summary(demo(quick=args.quick, output_dir=args.output_dir, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens))
+    kwargs = dict(quick=args.quick, output_dir=args.output_dir, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens)
+    if args.domains_only:
+        for name, domain in demo(**kwargs, domains_only=True).items():
+            print(f"{name}: {getattr(domain, 'path', domain)}")
+        return 0
+    print_summary(demo(**kwargs))
     return 0
 
 
@@ -140,7 +170,7 @@ def print_summary(summary: dict) -> None:
     """Print the Markdown table and where the files went."""
     from draftsmith.verify.evaluation.report import markdown_table
 
-    print(markdown_table(summary["rows"]))
+    print(summary.get("table") or markdown_table(summary["rows"]))
     for name, path in summary["paths"].items():
         print(f"{name}: {path}")
 

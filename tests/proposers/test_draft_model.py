@@ -360,3 +360,35 @@ def test_load_draft_model_names_the_broken_file_in_one_line(kind, checkpoints, t
             load()
         message = str(error.value)
         assert "draft " in message and str(directory / name) in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_vllm_export_round_trip(tied, model, drafts, tmp_path):
+    """The export is a checkpoint that loads back equal, tensor by tensor, with the draft_model speculative config."""
+    draft = copy.deepcopy(drafts["other"])
+    if tied:
+        draft.config.tie_word_embeddings = True
+        draft.tie_weights()
+    proposer = DraftModelProposer(draft, k=5, target=model)
+    exported = proposer.export(tmp_path / "draft")
+    assert exported.speculative_config == {"method": "draft_model", "model": str(tmp_path / "draft"), "num_speculative_tokens": 5}
+    assert json.loads((tmp_path / "draft" / "speculative_config.json").read_text()) == exported.speculative_config
+    back = load_draft_model(tmp_path / "draft")
+    for name, tensor in draft.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+    again = DraftModelProposer(back, k=5, target=model)
+    prompt = torch.tensor([[1, 5, 9, 5, 9, 17]])
+    plain = SpeculativeDecoder(model).generate(prompt, max_new_tokens=12).new_tokens
+    assert SpeculativeDecoder(model, again).generate(prompt, max_new_tokens=12).new_tokens == plain
+
+
+def test_vllm_export_warns_about_what_the_engine_does_not_draft_and_refuses_bad_requests(model, drafts, tmp_path):
+    with pytest.warns(UserWarning, match="drafts a 4-token chain every step; tree_width, dynamic and confidence_threshold"):
+        DraftModelProposer(drafts["other"], tree_width=2, target=model).export(tmp_path / "tree")
+    with pytest.raises(InputError, match=r"exports to \['vllm'\], got format 'sglang'"):
+        DraftModelProposer(drafts["other"], target=model).export(tmp_path / "x", format="sglang")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "a").write_text("keep")
+    with pytest.raises(InputError, match="is not empty"):
+        DraftModelProposer(drafts["other"], target=model).export(tmp_path / "used")
+    assert not (tmp_path / ".used.partial").exists()

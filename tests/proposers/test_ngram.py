@@ -91,3 +91,63 @@ def test_match_just_before_the_end_continues_the_repeating_pattern():
     p.begin([], None)
     # the latest "8 9" starts two tokens from the end: the copy runs on with its own output
     assert propose(p, [1, 8, 9, 8, 9]).token_ids.tolist() == [8, 9, 8, 9, 8]
+
+
+def vllm_reference(tokens, min_n, max_n, k):
+    """vLLM's n-gram rule, written out by brute force: the longest suffix n-gram in [min_n, max_n] that occurred
+    earlier, its earliest occurrence, and the tokens after it up to the context's end."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n):  # occurrences that end before the last token
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_earliest_match_without_wrap_drafts_as_vllm_does():
+    """A negative control too: the default (latest match, wrapping copy) drafts otherwise on the same contexts."""
+    import random
+
+    rng = random.Random(0)
+    differs = 0
+    for _ in range(300):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(2, 40))]
+        engine_like = NgramProposer(min_n=1, max_n=3, k=4, match="earliest", wrap=False)
+        engine_like.begin([], None)
+        assert propose(engine_like, tokens).token_ids.tolist() == vllm_reference(tokens, 1, 3, 4), tokens
+        default = NgramProposer(min_n=1, max_n=3, k=4)
+        default.begin([], None)
+        differs += propose(default, tokens).token_ids.tolist() != vllm_reference(tokens, 1, 3, 4)
+    assert differs > 50
+
+
+def test_export_is_vllms_ngram_config(tmp_path):
+    import json
+    import warnings
+
+    proposer = NgramProposer(min_n=2, max_n=3, k=6, match="earliest", wrap=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # drafting as the engine does: no warning
+        exported = proposer.export(tmp_path / "ngram")
+    spec = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 3, "num_speculative_tokens": 6}
+    assert exported.speculative_config == spec
+    assert json.loads((tmp_path / "ngram" / "speculative_config.json").read_text()) == spec
+    assert "vllm serve T --speculative-config" in exported.serve_commands("T")[0]
+    with pytest.warns(UserWarning, match="vLLM drafts from the earliest match"):
+        NgramProposer().export(tmp_path / "default")
+
+
+def test_export_refuses_trees_other_formats_and_a_used_directory(tmp_path):
+    from draftsmith.proposers.base import InputError
+
+    with pytest.raises(InputError, match="drafts a chain: export needs branches: 1, got branches: 3"):
+        NgramProposer(branches=3, match="earliest", wrap=False).export(tmp_path / "a")
+    with pytest.raises(InputError, match=r"exports to \['vllm'\], got format 'sglang'"):
+        NgramProposer().export(tmp_path / "b", format="sglang")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "keep.txt").write_text("x")
+    with pytest.raises(InputError, match="is not empty"):
+        NgramProposer(match="earliest", wrap=False).export(tmp_path / "c")
+    assert (tmp_path / "c" / "keep.txt").read_text() == "x"
+    with pytest.raises(InputError, match=r"match must be one of \['latest', 'earliest'\], got 'first'"):
+        NgramProposer(match="first")

@@ -213,3 +213,18 @@ def test_negative_control_broken_residual_fails_the_law_test(small_vocab_model, 
     sampling = SamplingParams(temperature=1.0)
     proposer = SuffixProposer(cache_prompts=True, alpha=4.0, min_token_prob=0.05)
     assert_law_rejects(small_vocab_model, proposer, sampling, 600, law_check)
+
+
+def test_vllm_export_is_the_suffix_config(tmp_path):
+    exported = SuffixProposer(k=12, max_match=20, alpha=2.0, min_token_prob=0.2).export(tmp_path / "s")
+    spec = {
+        "method": "suffix",
+        "num_speculative_tokens": 12,
+        "suffix_decoding_max_tree_depth": 32,
+        "suffix_decoding_max_spec_factor": 2.0,
+        "suffix_decoding_min_token_prob": 0.2,
+    }
+    assert exported.speculative_config == spec
+    assert json.loads((tmp_path / "s" / "speculative_config.json").read_text()) == spec
+    local = SuffixProposer(global_store=False).export(tmp_path / "local")
+    assert local.speculative_config["suffix_decoding_max_cached_requests"] == 0  # the engine's "no global tree"

@@ -89,6 +89,7 @@ def proposers_under_test(reference, prompt_len):
         "empty": None,
         "ngram_chain": load_proposer({"type": "ngram"}),
         "ngram_tree": load_proposer({"type": "ngram", "min_n": 1, "branches": 4}),
+        "ngram_earliest": load_proposer({"type": "ngram", "min_n": 1, "match": "earliest", "wrap": False}),  # as vLLM drafts
         "oracle": ScriptedProposer(oracle(reference, prompt_len)),
         "random_reject": ScriptedProposer(random_chain(seed=0)),
         **{f"random_tree_{s}": ScriptedProposer(random_tree(reference, prompt_len, seed=s)) for s in range(3)},
@@ -97,7 +98,8 @@ def proposers_under_test(reference, prompt_len):
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast_paths", "plain_paths"])
 @pytest.mark.parametrize(
-    "name", ["empty", "ngram_chain", "ngram_tree", "oracle", "random_reject", "random_tree_0", "random_tree_1", "random_tree_2"]
+    "name",
+    ["empty", "ngram_chain", "ngram_tree", "ngram_earliest", "oracle", "random_reject", "random_tree_0", "random_tree_1", "random_tree_2"],
 )
 def test_greedy_is_token_identical_to_generate(name, fast, model, prompt, reference):
     """With the preallocated cache and the lean forward (both probed on the model) and with neither."""

@@ -197,8 +197,10 @@ def trained_drafts(target_dir: Path) -> dict[str, dict]:
     return found
 
 
-def run_demo(quick: bool = False, output_dir: str = "outputs/demo", num_prompts: int = 8, max_new_tokens: int = 64) -> dict:
-    """Build or reuse the target, write the domains, run the evaluation; return its summary."""
+def run_demo(
+    quick: bool = False, output_dir: str = "outputs/demo", num_prompts: int = 8, max_new_tokens: int = 64, domains_only: bool = False
+) -> dict:
+    """Build or reuse the target, write the domains, run the evaluation; return its summary (``domains_only``: the domain files)."""
     from draftsmith.verify.evaluation.evaluate import DomainFile, EvalConfig, evaluate
 
     for name, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens)):
@@ -220,6 +222,8 @@ def run_demo(quick: bool = False, output_dir: str = "outputs/demo", num_prompts:
     if long_tokens:
         domains["long"] = DomainFile(domains["long"], prompt_tokens=long_tokens)
     domains["mixed"] = DomainFile(domains["mixed"], num_prompts=2 * num_prompts)
+    if domains_only:
+        return domains
     proposers = {**DEMO_PROPOSERS, **trained_drafts(target_dir)}
     config = EvalConfig(
         target=str(target_dir),

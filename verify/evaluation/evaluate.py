@@ -151,18 +151,7 @@ def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
     if config.threads:
         torch.set_num_threads(config.threads)
     model, tokenizer = load_target(config.target)
-    max_positions = context_limit(model)
-    prompts = []
-    for name, domain in config.domains.items():
-        if isinstance(domain, str):
-            domain = DomainFile(domain)
-        path, prompt_tokens = domain.path, domain.prompt_tokens or config.prompt_tokens
-        if max_positions is not None and prompt_tokens + config.max_new_tokens > max_positions:
-            raise InputError(
-                f"domain {name!r}: prompt_tokens={prompt_tokens} + max_new_tokens={config.max_new_tokens} exceeds the target's "
-                f"context of {max_positions} positions; lower one of them"
-            )
-        prompts += load_domain(name, path, tokenizer, domain.num_prompts or config.num_prompts, prompt_tokens, max_positions)
+    prompts = load_prompts(config, model, tokenizer)
     methods, proposers = build_methods(config, model, tokenizer)
     for run in methods.values():  # warm-up, untimed: the first call of each path pays one-off costs
         run(prompts[0], 0)
@@ -188,6 +177,23 @@ def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
     summary = summarise(config, records, stats)
     write_outputs(config, records, summary)
     return summary
+
+
+def load_prompts(config, model, tokenizer) -> list[Prompt]:
+    """Every domain's prompts, in domain order, for a config with ``domains``, ``num_prompts``, ``prompt_tokens``, ``max_new_tokens``."""
+    max_positions = context_limit(model)
+    prompts = []
+    for name, domain in config.domains.items():
+        if isinstance(domain, str):
+            domain = DomainFile(domain)
+        path, prompt_tokens = domain.path, domain.prompt_tokens or config.prompt_tokens
+        if max_positions is not None and prompt_tokens + config.max_new_tokens > max_positions:
+            raise InputError(
+                f"domain {name!r}: prompt_tokens={prompt_tokens} + max_new_tokens={config.max_new_tokens} exceeds the target's "
+                f"context of {max_positions} positions; lower one of them"
+            )
+        prompts += load_domain(name, path, tokenizer, domain.num_prompts or config.num_prompts, prompt_tokens, max_positions)
+    return prompts
 
 
 def build_methods(config: EvalConfig, model, tokenizer) -> tuple[dict[str, Callable], list]:
