@@ -24,7 +24,7 @@ from .base import Draft, InputError, ProposeContext, TargetFeatures, Transformer
 from .cache import make_cache
 from .engine import EngineExport, check_format, write_export, write_spec
 from .lean_forward import LEAN_MAX_ROWS, fast_paths, forward_mode
-from .models import TOKENIZER_FILES, check_full_attention, context_limit, load_causal_lm, load_tokenizer
+from .models import TOKENIZER_FILES, check_full_attention, context_limit, load_causal_lm, load_tokenizer, saved_tensors
 from .tree import DraftTree, compact_cache, crop_cache, grow_dynamic_tree, incremental_tree_mask
 
 CACHE_HEADROOM = 256  # preallocated draft positions beyond the prompt (more grows the buffer)
@@ -314,13 +314,6 @@ def load_draft_model(path: str | Path, device: torch.device | None = None) -> nn
     if any((path / name).is_file() for name in TOKENIZER_FILES):
         load_tokenizer(path, "draft")  # checked here, so that a broken file fails at load time, not at first use
     return model.to(device) if device is not None else model
-
-
-def saved_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors ``save_pretrained`` writes: the state dict without the second name of a tied tensor."""
-    kept = set(dict(model.named_parameters(remove_duplicate=True))) | set(dict(model.named_buffers()))
-    tied = set(model.state_dict()) - kept
-    return {name: tensor.detach().cpu() for name, tensor in model.state_dict().items() if name not in tied}
 
 
 def check_vocabulary(draft: nn.Module, target: nn.Module) -> None:

@@ -35,14 +35,18 @@ class EngineExport:
         path: the export directory.
         format: ``vllm`` or ``sglang``.
         speculative_config: vLLM's ``speculative_config``, or SGLang's ``--speculative-*`` flags (name -> value).
+        model: the model the engine serves instead of the target (MTP: the target written with
+            its modules, ``path`` itself); None serves the target.
     """
 
     path: Path
     format: str
     speculative_config: dict[str, Any]
+    model: Path | None = None
 
     def serve_commands(self, target: str) -> list[str]:
-        """The command line and the Python call that serve ``target`` with this export."""
+        """The command line and the Python call that serve ``target`` (or ``model``, when set) with this export."""
+        target = str(self.model) if self.model is not None else target
         if self.format == "sglang":
             flags = " ".join(f"--{name} {value}" for name, value in self.speculative_config.items())
             return [f"python -m sglang.launch_server --model-path {target} {flags}"]

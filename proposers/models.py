@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError
 from tokenizers import Tokenizer
 from torch import nn
@@ -85,6 +86,13 @@ def _first_line(error: BaseException, limit: int = 200) -> str:
     lines = str(error).strip().splitlines()
     line = lines[0] if lines else type(error).__name__
     return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def saved_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors ``save_pretrained`` writes: the state dict without the second name of a tied tensor."""
+    kept = set(dict(model.named_parameters(remove_duplicate=True))) | set(dict(model.named_buffers()))
+    tied = set(model.state_dict()) - kept
+    return {name: tensor.detach().cpu() for name, tensor in model.state_dict().items() if name not in tied}
 
 
 def context_limit(model: nn.Module) -> int | None:

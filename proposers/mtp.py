@@ -23,6 +23,7 @@ node's own path. The output is exact at every temperature.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from torch import nn
 from .base import Draft, InputError, ProposeContext, TargetFeatures, VerifyResult, check_integer, logits_to_probs, output_vocab_size
 from .cache import PreallocatedLayer
 from .eagle_head import MLP, Attention, RMSNorm, RotaryTable, cached_attention, layer_shape
-from .engine import CONFIG, WEIGHTS, check_tensors
+from .engine import CONFIG, WEIGHTS, EngineExport, check_format, check_tensors, write_export, write_spec
 from .tree import grow_dynamic_tree
 
 CACHE_HEADROOM = 64
@@ -207,6 +208,7 @@ class MtpProposer:
         sample: at T > 0, a tree's children are sampled with their true draft distributions
             (False: top-k point masses).
         target: the target (its embedding, LM head and shape).
+        tokenizer: the target's tokenizer (written into an export, which the engine serves).
     """
 
     hidden_layers: tuple[int, ...] = (-1,)
@@ -220,6 +222,7 @@ class MtpProposer:
         max_nodes: int | None = None,
         sample: bool = True,
         target: nn.Module | None = None,
+        tokenizer=None,
     ):
         if isinstance(model, (str, Path)):
             if target is None:
@@ -246,9 +249,42 @@ class MtpProposer:
         self.recursive, self.vocab_size = recursive, model.cfg.vocab_size
         self.device = next(model.parameters()).device
         self.caches: list[PreallocatedLayer] = []
+        self.target, self.tokenizer = target, tokenizer  # for export, which writes the target with the modules
 
     def transformers_peer(self):
         return None
+
+    def export(self, out_dir: str | Path, format: str = "vllm") -> EngineExport:
+        """The target with these modules in MiMo's layout, which vLLM serves with ``method: mtp`` (that directory is the model).
+
+        vLLM runs MTP only inside a target whose architecture ships the modules; MiMo's is a
+        Qwen2 with ``model.mtp_layers.{i}`` (``mtp_native.mimo_checkpoint``). Its MiMo path
+        drafts every depth with module 1, fed its own normed output, which is not how these
+        modules draft past depth 1: ``k`` above 1 warns (``k: 1`` drafts as the engine does).
+        """
+        check_format(format, ("vllm",), "mtp")
+        if self.target is None:
+            raise InputError("an MTP export writes the target with its modules: load the proposer with the target")
+        if self.k > 1:
+            warnings.warn(
+                f"vLLM's MiMo MTP path drafts every depth with module 1; this proposer drafts {self.k} deep with its modules "
+                "(k: 1 drafts as the engine does)",
+                stacklevel=2,
+            )
+        from .mtp_native import mimo_checkpoint
+
+        config, tensors = mimo_checkpoint(self.modules, self.target)
+
+        def write(directory: Path) -> None:
+            directory.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
+            (directory / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+            if self.tokenizer is not None:  # the engine serves this directory: it needs the tokenizer beside the weights
+                self.tokenizer.save_pretrained(directory)
+
+        fields = {"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": self.num_modules}
+        path = write_export(out_dir, write, tensors, fields)
+        return write_spec(EngineExport(path, format, {"method": "mtp", "num_speculative_tokens": self.k}, model=path))
 
     def begin(self, prompt: list[int], features: TargetFeatures | None) -> None:
         self.caches = [PreallocatedLayer(len(prompt) + CACHE_HEADROOM) for _ in range(self.num_modules)]

@@ -14,6 +14,9 @@ engines' own names; the config announces the modules in ``num_nextn_predict_laye
   ``input_proj`` (over ``[hidden, embedding]``: its halves are swapped on load) and
   ``final_layernorm``.
 
+``mimo_checkpoint`` writes the other way: a Llama or Qwen2 target with draftsmith's modules
+in MiMo's layout, the one dense layout vLLM serves MTP from (``MtpProposer.export``).
+
 The block must be Llama-style (``self_attn.{q,k,v,o}_proj``, optional q / k / v biases,
 ``mlp.{gate,up,down}_proj``): a block with MLA attention or MoE experts (DeepSeek-V3's
 own) is refused, naming the tensors draftsmith cannot run.
@@ -31,6 +34,7 @@ from torch import nn
 
 from .base import InputError
 from .engine import CONFIG
+from .models import saved_tensors
 from .mtp import MtpModules, config_for_target, modules_for_target
 
 BLOCK = (
@@ -120,6 +124,43 @@ def load_native(path: str | Path, target: nn.Module) -> MtpModules:
             state[ours] = tensor
     modules.load_state_dict(state)
     return modules.eval()
+
+
+SERVABLE_AS_QWEN2 = ("llama", "qwen2")
+
+
+def mimo_checkpoint(modules: MtpModules, target: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``config.json`` and the tensors of ``target`` with ``modules`` in MiMo's layout (a Qwen2 with ``model.mtp_layers.{i}``).
+
+    A Llama target becomes a Qwen2 with zero q / k / v biases (Qwen2's attention always
+    has them), which computes the same function; other targets are refused.
+    """
+    config = target.config
+    if config.model_type not in SERVABLE_AS_QWEN2 or getattr(config, "mlp_bias", False):
+        raise InputError(
+            f"MiMo's MTP layout is a Qwen2: a {config.model_type!r} target (mlp_bias={getattr(config, 'mlp_bias', False)}) "
+            f"cannot be written in it; targets of types {list(SERVABLE_AS_QWEN2)} can"
+        )
+    values = {k: v for k, v in config.to_dict().items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp", "model_type")}
+    values |= {"architectures": ["MiMoForCausalLM"], "model_type": "qwen2", "num_nextn_predict_layers": modules.cfg.num_modules}
+    values |= {"use_sliding_window": False, "max_window_layers": config.num_hidden_layers}
+    tensors = dict(saved_tensors(target))
+    for name in list(tensors):
+        if re.fullmatch(r"model\.layers\.\d+\.self_attn\.[qkv]_proj\.weight", name):
+            tensors.setdefault(name.replace(".weight", ".bias"), torch.zeros(tensors[name].shape[0]))
+    _, own, _, _ = LAYOUTS["mimo"]
+    theirs = {ours: name for name, ours in own.items()}
+    for ours, tensor in saved_tensors(modules).items():
+        i, name = re.fullmatch(r"layers\.(\d+)\.(.+)", ours).groups()
+        part = name.removesuffix(".weight")
+        if part == "eh_proj":
+            embed, hidden = tensor.chunk(2, dim=1)
+            tensor = torch.cat([hidden, embed], dim=1)  # MiMo reads [hidden, embedding]
+        out = f"model.mtp_layers.{i}.{theirs[part]}.weight" if part in theirs else f"model.mtp_layers.{i}.{name}"
+        tensors[out] = tensor.contiguous()
+        if re.fullmatch(r"self_attn\.[qkv]_proj\.weight", name):
+            tensors.setdefault(out.replace(".weight", ".bias"), torch.zeros(tensor.shape[0]))
+    return values, {name: t.detach().float().contiguous() if t.is_floating_point() else t for name, t in tensors.items()}
 
 
 def _layout(config: dict, tensors: _Tensors, path: Path) -> str:

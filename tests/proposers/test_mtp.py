@@ -205,3 +205,45 @@ def test_native_checkpoints_that_do_not_hold_what_they_announce_are_refused(targ
     save_file({"model.norm.weight": torch.ones(4)}, str(directory / "model-mtp.safetensors"))
     with pytest.raises(InputError, match="no known layout"):
         load_proposer({"type": "mtp", "model": str(directory)}, target=target)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_vllm_export_is_the_target_with_its_modules_in_mimos_layout(arch, targets, modules, tmp_path):
+    """The export loads back (the native MiMo reader) as the same modules, and as a Qwen2 it computes the target's logits."""
+    from transformers import AutoModelForCausalLM
+
+    target = targets[arch]
+    proposer = MtpProposer(modules[arch], k=1, target=target)
+    exported = proposer.export(tmp_path / "mimo")
+    assert exported.speculative_config == {"method": "mtp", "num_speculative_tokens": 1} and exported.model == tmp_path / "mimo"
+    assert exported.serve_commands("ignored")[0].startswith(f"vllm serve {tmp_path / 'mimo'} ")  # the engine serves the export
+    config = json.loads((tmp_path / "mimo" / "config.json").read_text())
+    assert (config["architectures"], config["model_type"], config["num_nextn_predict_layers"]) == (["MiMoForCausalLM"], "qwen2", 3)
+    written = load_file(str(tmp_path / "mimo" / "model.safetensors"))
+    assert {"model.mtp_layers.0.input_proj.weight", "model.mtp_layers.2.final_layernorm.weight"} <= set(written)
+    assert "model.mtp_layers.0.self_attn.q_proj.bias" in written and "model.layers.1.self_attn.v_proj.bias" in written
+    back = MtpProposer(str(tmp_path / "mimo"), target=target)
+    for name, tensor in modules[arch].state_dict().items():
+        assert torch.equal(back.modules.state_dict()[name], tensor), name
+    served = AutoModelForCausalLM.from_pretrained(tmp_path / "mimo", dtype=torch.float32).eval()
+    assert type(served).__name__ == "Qwen2ForCausalLM"
+    ids = random_prompts(2, seed=3)
+    with torch.no_grad():
+        torch.testing.assert_close(served(ids).logits, target(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_vllm_export_warns_past_depth_one_and_refuses_what_mimo_cannot_hold(targets, modules, tmp_path):
+    from heads import tiny_neox
+
+    with pytest.warns(UserWarning, match="drafts every depth with module 1"):
+        MtpProposer(modules["llama"], k=3, target=targets["llama"]).export(tmp_path / "deep")
+    with pytest.raises(InputError, match=r"exports to \['vllm'\], got format 'sglang'"):
+        MtpProposer(modules["llama"], k=1, target=targets["llama"]).export(tmp_path / "x", format="sglang")
+    with pytest.raises(InputError, match="load the proposer with the target"):
+        MtpProposer(modules["llama"], k=1).export(tmp_path / "y")
+    neox = tiny_neox(layers=2)
+    with pytest.raises(InputError, match=r"a 'gpt_neox' target .* cannot be written in it; targets of types \['llama', 'qwen2'\]"):
+        from draftsmith.proposers.mtp_native import mimo_checkpoint
+
+        mimo_checkpoint(modules["llama"], neox)
+    assert not (tmp_path / "y").exists() and not (tmp_path / ".y.partial").exists()

@@ -268,7 +268,10 @@ def engine_check(config: EngineCheckConfig, progress: bool = True) -> dict[str, 
     for name, export in {PLAIN: None, **exports, **controls}.items():
         if progress:
             print(f"engine: {name}", file=sys.stderr)
-        engine[name] = run_engine(python, config.engine, {**job, "speculative_config": export and export.speculative_config}, logs, name)
+        served = {"speculative_config": export.speculative_config} if export else {"speculative_config": None}
+        if export is not None and export.model is not None:  # MTP: the target written with its modules
+            served["model"] = str(export.model.absolute())
+        engine[name] = run_engine(python, config.engine, {**job, **served}, logs, name)
     rows = compare(config, prompts, plain_tokens, engine, ours["rows"], controls)
     summary = {
         "config": asdict(config),
