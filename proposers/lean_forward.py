@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import types
 import weakref
 from collections.abc import Callable
@@ -26,9 +27,11 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .cache import cache_probe_passes, fast_path_enabled
+from .fused_layers import FusedLayers
 
 logger = logging.getLogger(__name__)
 PROBE_TOKENS = 6
+FUSED_SWITCH = "DRAFTSMITH_FUSED_LAYERS"  # 0: the lean forward calls the layers' own modules
 LEAN_MAX_ROWS = (
     64  # a draft tree of up to 63 nodes and its root; longer inputs (prompts) take the model's own forward and its causal kernel
 )
@@ -50,6 +53,7 @@ class LeanForward:
         backbone = model.model
         self.embed, self.rotary, self.norm, self.head = backbone.embed_tokens, backbone.rotary_emb, backbone.norm, model.lm_head
         self.layers = list(backbone.layers[: model.config.num_hidden_layers])
+        self.fused: FusedLayers | None = None  # the same layers in fused ops (``probe`` decides)
         self.dtype = model.dtype
         # cos / sin of positions 0..n-1, computed by the model's own rotary module once and
         # looked up per call (doubled when a position runs past them); None: call it every time.
@@ -95,8 +99,11 @@ class LeanForward:
         """embed -> layers -> norm -> head, given the mask and the rotary ``(cos, sin)``: what ``compiled`` compiles."""
         hidden = self.embed(input_ids)
         states = [hidden]  # output_hidden_states' numbering: references only, nothing is copied
-        for layer in self.layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True, position_embeddings=rotary)
+        for index, layer in enumerate(self.layers):
+            if self.fused is not None:
+                hidden = self.fused(index, hidden, mask, cache, rotary)
+            else:
+                hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True, position_embeddings=rotary)
             states.append(hidden)
         if last:
             hidden = hidden[:, -last:]
@@ -171,7 +178,9 @@ class LeanForward:
         three with a causal mask through the lean path, and compares every row with one
         forward of the whole input. A model with another layout, an attention that needs
         its own masks (sliding windows, flash kernels) or extra work in its forward
-        (logit soft-capping) fails the probe and keeps its own forward.
+        (logit soft-capping) fails the probe and keeps its own forward. The fused layers
+        (``FusedLayers``, where the layer kind is known) are probed first, then the
+        layers' own modules.
         """
         if getattr(model.config, "_attn_implementation", None) not in ATTENTION_IMPLEMENTATIONS:
             return None
@@ -182,21 +191,37 @@ class LeanForward:
             vocab = model.get_input_embeddings().num_embeddings
             ids = (torch.arange(PROBE_TOKENS, device=model.device) * 7919 % vocab).unsqueeze(0)
             expected = model(ids, cache=DynamicCache(config=model.config), use_cache=True).logits[0].float()
-            cache = DynamicCache(config=model.config)
-            model(ids[:, :2], cache=cache, use_cache=True)
-            positions = torch.arange(PROBE_TOKENS, device=model.device).unsqueeze(0)
-            single = lean(ids[:, 2:3], cache, positions[:, 2:3])
-            several = lean(ids[:, 3:], cache, positions[:, 3:])
-            got = torch.cat([single, several]).float()
         except Exception:  # another layout or signature: the wrapper it is
             return None
         if atol is None:
             atol = 1e-4 if model.dtype == torch.float32 else 3e-2
         scale = max(1.0, float(expected.abs().max()))
-        return lean if bool(((got - expected[2:]).abs() <= atol * scale).all()) else None
+        fused = _shared_fused(model, lean.layers) if os.environ.get(FUSED_SWITCH, "1") != "0" else None
+        for candidate in ([fused] if fused is not None else []) + [None]:
+            lean.fused = candidate
+            try:
+                cache = DynamicCache(config=model.config)
+                model(ids[:, :2], cache=cache, use_cache=True)
+                positions = torch.arange(PROBE_TOKENS, device=model.device).unsqueeze(0)
+                single = lean(ids[:, 2:3], cache, positions[:, 2:3])
+                several = lean(ids[:, 3:], cache, positions[:, 3:])
+                got = torch.cat([single, several]).float()
+            except Exception:
+                continue
+            if bool(((got - expected[2:]).abs() <= atol * scale).all()):
+                return lean
+        return None
 
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its compiled lean forward
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its fused layers (or None: not fusable)
+
+
+def _shared_fused(model: nn.Module, layers: list[nn.Module]) -> FusedLayers | None:
+    """``FusedLayers.build(layers)`` once per model: every decoder and proposer of a model shares one copy of the fused weights."""
+    if model not in _FUSED:
+        _FUSED[model] = FusedLayers.build(layers)
+    return _FUSED[model]
 
 
 def shared_compiled(model: nn.Module, lean: LeanForward) -> Callable[..., torch.Tensor]:

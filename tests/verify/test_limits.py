@@ -88,18 +88,27 @@ def short_draft(family: str, make_llama):
     return tiny_gpt2(DRAFT_LIMIT, n_embd=16, seed=3)
 
 
-def record_positions(draft) -> list[int]:
-    """Every position id the draft's position embedding sees from now on (the decoder layers' for Llama, the learned table for GPT-2).
+def record_positions(draft, proposer) -> list[int]:
+    """Every position id the draft's position embedding sees from now on (the learned table for GPT-2; Llama's below).
 
-    Llama's rotary cos / sin may come from a table (``LeanForward``), so the position ids
-    are read where every forward hands them on: the first decoder layer.
+    Llama's rotary cos / sin come from a table in the lean forward, whose fused layers never
+    call the layer modules, so its position ids are read where they go in: the lean
+    forward's arguments, and the first decoder layer's for the model's own forward.
     """
     seen: list[int] = []
     if isinstance(draft, GPT2LMHeadModel):
         draft.transformer.wpe.register_forward_pre_hook(lambda module, args: seen.extend(args[0].flatten().tolist()))
-    else:
-        hook = lambda module, args, kwargs: seen.extend(kwargs["position_ids"].flatten().tolist())  # noqa: E731
-        draft.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+        return seen
+    hook = lambda module, args, kwargs: seen.extend(kwargs["position_ids"].flatten().tolist())  # noqa: E731
+    draft.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    lean = proposer.forward
+    if lean is not None:
+
+        def recorded(input_ids, cache, position_ids, *args, **kwargs):
+            seen.extend(position_ids.flatten().tolist())
+            return lean(input_ids, cache, position_ids, *args, **kwargs)
+
+        proposer.forward = recorded
     return seen
 
 
@@ -108,7 +117,7 @@ def record_positions(draft) -> list[int]:
 def test_a_draft_with_fewer_positions_drafts_until_full_then_decoding_continues_plain(family, tree_width, model, make_llama):
     draft_lm = short_draft(family, make_llama)
     proposer = DraftModelProposer(draft_lm, k=4, tree_width=tree_width, target=model)
-    positions = record_positions(draft_lm)
+    positions = record_positions(draft_lm, proposer)
     propose, steps = proposer.propose, []  # (committed tokens, draft depth) per propose
 
     def recorded_propose(context):
