@@ -103,7 +103,8 @@ class LeanForward:
             if self.fused is not None:
                 hidden = self.fused(index, hidden, mask, cache, rotary)
             else:
-                hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True, position_embeddings=rotary)
+                kwargs = {"position_ids": position_ids, "cache": cache, "use_cache": True, "position_embeddings": rotary}
+                hidden = layer(hidden, attention_mask=mask, **kwargs)
             states.append(hidden)
         if last:
             hidden = hidden[:, -last:]
