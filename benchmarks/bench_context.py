@@ -5,7 +5,8 @@
 
 1. T(k): one target step scoring k tokens after a context of C tokens (C = 128 / 512 / 1024 /
    2048), through our ``Target`` with the fast paths off (transformers' ``DynamicCache`` and
-   the model's forward: "before") and on (preallocated cache and lean forward: "after").
+   the model's forward: "before"), on with the layers' own modules ("modules") and on with
+   the fused layers ("after").
    Median of repeated steps, the cache cropped back after each, every path, context and
    width alternating call by call (the machine's speed drifts by 10-20% within seconds). At 2048 the demo target runs past its 1024 trained
    positions: its logits mean nothing there, its cost is what is measured.
@@ -22,6 +23,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -69,13 +71,17 @@ def step_costs(cases: dict[str, tuple[Target, int]], widths, repeats: int, vocab
 
 
 def forward_costs(model, repeats: int) -> dict:
-    """Median T(k) per path and context; before = transformers' cache and forward, after = the fast paths."""
+    """Median T(k) per path and context: before = transformers' cache and forward, after = the fast paths,
+    modules = the fast paths with the layers' own modules instead of the fused layers."""
     lean = LeanForward.probe(model)
+    modules = copy.copy(lean)
+    modules.fused = None
     cases = {}
     for context in CONTEXTS:
         cases[f"before {context}"] = (Target(model), context)
+        cases[f"modules {context}"] = (Target(model, preallocate=True, lean=modules), context)
         cases[f"after {context}"] = (Target(model, preallocate=True, lean=lean), context)
-    costs: dict[str, dict[str, float]] = {"before": {}, "after": {}}
+    costs: dict[str, dict[str, float]] = {"before": {}, "modules": {}, "after": {}}
     for name, by_width in step_costs(cases, WIDTHS, repeats, model.config.vocab_size).items():
         path, context = name.split()
         for width, samples in by_width.items():

@@ -15,7 +15,18 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 @pytest.mark.parametrize("path", sorted((RECIPES / "proposers").glob("*.yaml")), ids=lambda p: p.name)
 def test_proposer_recipes_load(path):
-    assert load_proposer(path) is not None
+    from draftsmith.verify import load_target
+
+    target = load_target(RECIPES / "demo_target")[0]  # the trained heads' recipes draft for the shipped target
+    assert load_proposer(path, target=target) is not None
+
+
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("engine_check_*.yaml")), ids=lambda p: p.name)
+def test_engine_check_recipes_validate(path):
+    from draftsmith.verify.evaluation.engine_check import EngineCheckConfig
+
+    config = EngineCheckConfig.from_yaml(path)
+    assert config.proposers and config.engine.requirements
 
 
 @pytest.mark.parametrize("path", sorted(RECIPES.glob("eval_*.yaml")), ids=lambda p: p.name)

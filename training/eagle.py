@@ -95,6 +95,8 @@ class EagleObjective:
             if rows is None:
                 raise InputError("a reduced draft vocabulary is chosen from the training data's token frequencies: no rows were given")
             draft.set_vocabulary(most_frequent(token_frequencies(rows, cfg.vocab_size, FREQUENCY_ROWS), cfg.draft_vocab_size))
+        if cfg.version == 3:
+            start_from_target_head(draft, target)
         return draft
 
     def loss(self, draft: nn.Module, batch: dict[str, torch.Tensor], captured: Captured) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -105,6 +107,22 @@ class EagleObjective:
 
     def export(self, draft: nn.Module, out_dir: Path, tokenizer, dtype: torch.dtype, heldout: dict | None = None) -> None:
         draft.save(out_dir, dtype)
+
+
+@torch.no_grad()
+def start_from_target_head(draft: EagleDraft, target: nn.Module) -> None:
+    """EAGLE-3: start the draft's LM head from the target's rows of the draft vocabulary, and its norm from the target's final norm.
+
+    The head then scores the draft's outputs in the target's own output space from step 0:
+    a random head left held-out step-0 acceptance at 0.33 after 500 steps on the demo,
+    below the EAGLE-1 head (the target's own LM head, 0.41).
+    """
+    head = target.get_output_embeddings()
+    if head is not None and head.weight.shape[1] == draft.lm_head.weight.shape[1]:
+        draft.lm_head.weight.copy_(head.weight[draft.draft_to_target()].to(draft.lm_head.weight))
+    norm = getattr(target.get_decoder(), "norm", None)
+    if getattr(norm, "weight", None) is not None and norm.weight.shape == draft.norm.weight.shape:
+        draft.norm.weight.copy_(norm.weight.to(draft.norm.weight))
 
 
 def _targets(draft: EagleDraft, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -196,7 +196,8 @@ def test_negative_control_broken_residual_fails_the_law_test(sample, law_setup, 
     monkeypatch.setattr(rejection, "residual_distribution", lambda target_probs, draft_probs, token: target_probs)
     target = law_setup[0]
     sampling = SamplingParams(1.0)
-    assert_law_rejects(target, law_proposer(law_setup, "eagle3", sample), sampling, N_CONTROL, law_check)
+    # the reduced vocabulary keeps the draft far from the target, so rejections (and the broken residual) are frequent
+    assert_law_rejects(target, law_proposer(law_setup, "eagle3_reduced", sample), sampling, N_CONTROL, law_check)
 
 
 def test_reduced_vocabulary_drafts_only_its_tokens(law_setup):

@@ -93,3 +93,18 @@ def test_bad_recipe_keys_are_refused(override, message, deep_target_dir, text_fi
         load_config(
             REPO / "recipes" / "eagle1_demo.yaml", eagle_overrides(deep_target_dir, text_file, tmp_path, "draft.draft_vocab_size=10")
         )
+
+
+def test_eagle3_heads_start_from_the_targets_lm_head_rows_and_final_norm(make_llama):
+    """A fresh EAGLE-3 draft scores in the target's output space: its LM head is the target's rows of the draft vocabulary."""
+    from draftsmith.training.eagle import EagleObjective
+
+    target = make_llama(layers=6, seed=7)
+    with torch.no_grad():
+        target.model.norm.weight.uniform_(0.5, 1.5)
+    rows = [{"input_ids": list(range(40, 100)) * 3 + list(range(0, 128))}]
+    draft = EagleObjective(version=3, aux_layers=[2, 3, 5], draft_vocab_size=64).build(target, None, rows)
+    ids = draft.draft_to_target()
+    assert set(range(40, 100)) <= set(ids.tolist())  # the most frequent ids are the draft vocabulary
+    assert torch.equal(draft.lm_head.weight, target.lm_head.weight[ids])
+    assert torch.equal(draft.norm.weight, target.model.norm.weight)
