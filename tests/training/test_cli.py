@@ -60,7 +60,12 @@ def test_export_writes_the_engine_layout_and_prints_the_serve_line(tiny_target_d
     assert main([*argv[:4], str(tmp_path / "other"), "--format", "tensorrt"]) == 2
     assert "exports to ['vllm'], got format 'tensorrt'" in capsys.readouterr().err
     assert not (tmp_path / "other").exists()
-    ngram = tmp_path / "ngram.yaml"
-    ngram.write_text(yaml.safe_dump({"type": "ngram"}))
-    assert main(["export", "--proposer", str(ngram), "--output", str(tmp_path / "n")]) == 2
-    assert "proposer type 'ngram' has no engine export yet" in capsys.readouterr().err
+    composite = tmp_path / "composite.yaml"
+    composite.write_text(yaml.safe_dump({"type": "composite", "proposers": [{"type": "ngram"}, {"type": "suffix"}]}))
+    assert main(["export", "--proposer", str(composite), "--output", str(tmp_path / "c")]) == 2
+    assert "proposer type 'composite' has no engine export yet" in capsys.readouterr().err
+    ngram = tmp_path / "ngram.yaml"  # a settings-only export: the engine's speculative_config
+    ngram.write_text(yaml.safe_dump({"type": "ngram", "match": "earliest", "wrap": False}))
+    assert main(["export", "--proposer", str(ngram), "--output", str(tmp_path / "n")]) == 0
+    assert '"method": "ngram"' in capsys.readouterr().out
+    assert json.loads((tmp_path / "n" / "speculative_config.json").read_text())["prompt_lookup_max"] == 4
