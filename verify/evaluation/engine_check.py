@@ -13,9 +13,11 @@ domain:
   break differently in another engine's kernels, so that is reported, not required).
 
 Controls: an EAGLE-3 export with ``d2t`` removed, and one without its aux-layer-id fields
-when its ids are not the engine's default, are written by hand and run too. Engines load
-such checkpoints without a word; the controls show they then accept near nothing, which is
-why ``export`` refuses them.
+when its ids are not the engine's default, are written by hand and run too. The engine
+loads both without a word. Without ``d2t`` it must accept near nothing (checked: the draft
+ids land on the wrong target tokens); without the ids it feeds the head its default layers
+instead of the trained ones, reported with no verdict (how much that costs depends on how
+alike those layers are). ``export`` refuses both.
 
 The engine lives in its own venv (``engine.venv``, created on first use and reused while its
 requirements are unchanged): vLLM's CPU build pins a transformers older than draftsmith's.
@@ -53,6 +55,7 @@ WORKER = Path(__file__).with_name("vllm_worker.py")
 MARKER = ".draftsmith-engine.json"  # in the venv: the requirements it was built from
 ENGINE_DEFAULT_AUX = "engine default aux layers"  # vLLM's own choice when a checkpoint names none: [2, N // 2, N - 3]
 NEAR_NOTHING = 0.25  # a control "accepts near nothing" when its gain (length - 1) is at most this share of the full export's
+NO_D2T, NO_AUX_IDS = "no d2t", "no aux ids"  # the controls; only the first must accept near nothing
 
 
 class EngineUnavailable(RuntimeError):
@@ -207,7 +210,7 @@ def incomplete_controls(name: str, export: EngineExport, target_layers: int, wor
         spec = dict(export.speculative_config, model=str(directory))
         controls[f"{name} ({label})"] = EngineExport(directory, export.format, spec)
 
-    copy("no d2t", drop="d2t")
+    copy(NO_D2T, drop="d2t")
     engine_default = [2, target_layers // 2, target_layers - 3]
     if config["eagle_aux_hidden_state_layer_ids"] != engine_default:
 
@@ -216,7 +219,7 @@ def incomplete_controls(name: str, export: EngineExport, target_layers: int, wor
             values["eagle_config"] = {k: v for k, v in values["eagle_config"].items() if k != "eagle_aux_hidden_state_layer_ids"}
             return values
 
-        copy("no aux ids", edit_config=without_ids)
+        copy(NO_AUX_IDS, edit_config=without_ids)
     return controls
 
 
@@ -340,9 +343,12 @@ def _verdict(row: dict, method: str, lengths: dict, controls: dict, tolerance: f
     if done != total:
         return False
     if method in controls:
-        full = lengths.get(method.split(" (")[0])
-        gain = (row["engine_acceptance_length"] or 1.0) - 1.0
-        row["control_accepts_near_nothing"] = full is not None and gain <= NEAR_NOTHING * (full - 1.0)
+        name, label = method[:-1].split(" (")
+        full, length = lengths.get(name), row["engine_acceptance_length"] or 1.0
+        row["control_of_full"] = (length - 1.0) / (full - 1.0) if full and full > 1.0 else None  # its gain over the full export's
+        if label != NO_D2T:
+            return None  # reported only
+        row["control_accepts_near_nothing"] = full is not None and length - 1.0 <= NEAR_NOTHING * (full - 1.0)
         return row["control_accepts_near_nothing"]
     if "acceptance_ratio" in row:
         return abs(row["acceptance_ratio"] - 1.0) <= tolerance
@@ -362,6 +368,8 @@ def engine_table(rows: list[dict]) -> str:
         verdict = {True: "ok", False: "FAIL", None: "-"}[r["passed"]]
         if "control_accepts_near_nothing" in r:
             verdict = "accepts near nothing" if r["passed"] else "FAIL: control accepted"
+        elif r.get("control_of_full") is not None:
+            verdict = f"gain {r['control_of_full']:.0%} of the full export's"
         ours_speed = f"{r['draftsmith_tokens_per_s']:.0f} ({r['draftsmith_speedup']:.2f}x)" if "draftsmith_tokens_per_s" in r else "-"
         lines.append(
             f"| {r['domain']} | {r['method']} | {r['engine_identical']} | {_f(r['engine_acceptance_length'])} "

@@ -67,6 +67,9 @@ def test_a_control_passes_only_when_it_accepts_near_nothing():
     assert alive["eagle3 (no d2t)"]["passed"] is False  # a control that accepts as the full export does proves nothing
     table = ec.engine_table(list(alive.values()))
     assert "FAIL: control accepted" in table and "| code | eagle3 | 2/2 | 3.00 | 3.00 | 1.00 |" in table
+    ids = rows_by_method({**base, "eagle3 (no aux ids)": [request([5, 6], 4, 6), request([7, 8], 4, 6)]}, ours, ["eagle3 (no aux ids)"])
+    assert ids["eagle3 (no aux ids)"]["passed"] is None and ids["eagle3 (no aux ids)"]["control_of_full"] == pytest.approx(0.75)
+    assert "gain 75% of the full export's" in ec.engine_table(list(ids.values()))
 
 
 def eagle3_export(target, aux, path):
