@@ -191,10 +191,12 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 def incomplete_controls(name: str, export: EngineExport, target_layers: int, work: Path) -> dict[str, EngineExport]:
-    """Hand-made incomplete copies of an EAGLE-3 export: without ``d2t``; without the aux-id fields (when not the engine's default)."""
-    if not (export.path / WEIGHTS).is_file() or "d2t" not in load_file(str(export.path / WEIGHTS)):
+    """Hand-made incomplete copies of an EAGLE-3 export: without ``d2t`` (when it maps a reduced vocabulary: all-zero
+    offsets are the identity an engine assumes anyway); without the aux-id fields (when not the engine's default)."""
+    config = json.loads((export.path / CONFIG).read_text()) if (export.path / CONFIG).is_file() else {}
+    if "eagle_config" not in config:
         return {}
-    config = json.loads((export.path / CONFIG).read_text())
+    d2t = load_file(str(export.path / WEIGHTS)).get("d2t")
     controls = {}
 
     def copy(label: str, edit_config=None, drop: str | None = None) -> None:
@@ -210,7 +212,8 @@ def incomplete_controls(name: str, export: EngineExport, target_layers: int, wor
         spec = dict(export.speculative_config, model=str(directory))
         controls[f"{name} ({label})"] = EngineExport(directory, export.format, spec)
 
-    copy(NO_D2T, drop="d2t")
+    if d2t is not None and bool(d2t.any()):
+        copy(NO_D2T, drop="d2t")
     engine_default = [2, target_layers // 2, target_layers - 3]
     if config["eagle_aux_hidden_state_layer_ids"] != engine_default:
 

@@ -72,10 +72,10 @@ def test_a_control_passes_only_when_it_accepts_near_nothing():
     assert "gain 75% of the full export's" in ec.engine_table(list(ids.values()))
 
 
-def eagle3_export(target, aux, path):
+def eagle3_export(target, aux, path, draft_vocab_size=96):
     torch.manual_seed(0)
-    draft = draft_for_target(config_for_target(target, 3, aux_layers=list(aux), draft_vocab_size=96), target)
-    draft.set_vocabulary(torch.randperm(128, generator=torch.Generator().manual_seed(1))[:96])
+    draft = draft_for_target(config_for_target(target, 3, aux_layers=list(aux), draft_vocab_size=draft_vocab_size), target)
+    draft.set_vocabulary(torch.randperm(128, generator=torch.Generator().manual_seed(1))[:draft_vocab_size])
     return EagleProposer(draft, target=target, k=4).export(path)
 
 
@@ -92,6 +92,8 @@ def test_controls_drop_d2t_and_the_aux_ids_unless_they_are_the_engines_default(m
     eight = make_llama(layers=8, seed=7)
     default = ec.incomplete_controls("e3", eagle3_export(eight, (2, 4, 5), tmp_path / "b"), 8, tmp_path / "controls8")
     assert sorted(default) == ["e3 (no d2t)"]  # without the fields the engine reads [2, 4, 5] anyway
+    full = eagle3_export(six, (2, 3, 5), tmp_path / "c", draft_vocab_size=128)  # d2t all zeros: the identity
+    assert sorted(ec.incomplete_controls("e3", full, 6, tmp_path / "controls_full")) == ["e3 (no aux ids)"]
 
 
 def test_a_failed_install_raises_with_the_log_and_a_built_venv_is_reused(tmp_path, monkeypatch):
