@@ -89,8 +89,7 @@ def config_export(out_dir: str | Path, format: str, speculative_config: Mapping[
     """An export that is the engine's settings alone (n-gram, suffix: nothing trained), in ``out_dir/speculative_config.json``."""
     out_dir = _new_or_empty(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out_dir / SPEC_FILE, json.dumps(dict(speculative_config), indent=1) + "\n")
-    return EngineExport(out_dir, format, dict(speculative_config))
+    return write_spec(EngineExport(out_dir, format, dict(speculative_config)))
 
 
 def write_spec(export: EngineExport) -> EngineExport:

@@ -145,9 +145,6 @@ def mimo_checkpoint(modules: MtpModules, target: nn.Module) -> tuple[dict, dict[
     values |= {"architectures": ["MiMoForCausalLM"], "model_type": "qwen2", "num_nextn_predict_layers": modules.cfg.num_modules}
     values |= {"use_sliding_window": False, "max_window_layers": config.num_hidden_layers}
     tensors = dict(saved_tensors(target))
-    for name in list(tensors):
-        if re.fullmatch(r"model\.layers\.\d+\.self_attn\.[qkv]_proj\.weight", name):
-            tensors.setdefault(name.replace(".weight", ".bias"), torch.zeros(tensors[name].shape[0]))
     _, own, _, _ = LAYOUTS["mimo"]
     theirs = {ours: name for name, ours in own.items()}
     for ours, tensor in saved_tensors(modules).items():
@@ -158,8 +155,8 @@ def mimo_checkpoint(modules: MtpModules, target: nn.Module) -> tuple[dict, dict[
             tensor = torch.cat([hidden, embed], dim=1)  # MiMo reads [hidden, embedding]
         out = f"model.mtp_layers.{i}.{theirs[part]}.weight" if part in theirs else f"model.mtp_layers.{i}.{name}"
         tensors[out] = tensor.contiguous()
-        if re.fullmatch(r"self_attn\.[qkv]_proj\.weight", name):
-            tensors.setdefault(out.replace(".weight", ".bias"), torch.zeros(tensor.shape[0]))
+    for name in [n for n in tensors if re.search(r"\.self_attn\.[qkv]_proj\.weight$", n)]:  # target and module blocks alike
+        tensors.setdefault(name.removesuffix(".weight") + ".bias", torch.zeros(tensors[name].shape[0]))
     return values, {name: t.detach().float().contiguous() if t.is_floating_point() else t for name, t in tensors.items()}
 
 

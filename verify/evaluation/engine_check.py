@@ -286,8 +286,8 @@ def engine_check(config: EngineCheckConfig, progress: bool = True) -> dict[str, 
         "passed": all(row["passed"] is not False for row in rows),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    (out / "table.md").write_text(engine_table(rows))
     summary["table"] = engine_table(rows)
+    (out / "table.md").write_text(summary["table"])
     summary["paths"] = {"summary": str(out / "summary.json"), "table": str(out / "table.md"), "draftsmith": str(out / "draftsmith")}
     return summary
 
