@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .base import Draft, InputError, ProposeContext, TargetFeatures, VerifyResult, check_integer
+from .base import Draft, InputError, ProposeContext, TargetFeatures, VerifyResult, check_integer, check_probability
 from .cache import PreallocatedLayer
 from .eagle_head import EagleDraft, check_fits_target, checkpoint_config, load_draft
 from .engine import EngineExport, check_format, write_export, write_spec
@@ -60,6 +60,8 @@ class EagleProposer:
         sample: at temperature > 0, sample the tree from the draft's processed distribution
             (``draft_probs`` given); False drafts deterministic top-k trees (point masses) at every temperature.
         confidence_threshold: stop extending a branch after a token whose draft probability is below this.
+        min_path_prob: drop (deterministic trees) and never expand nodes whose path probability
+            is below this (``grow_dynamic_tree``): each node costs a row of the target's forward.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class EagleProposer:
         max_nodes: int | None = None,
         sample: bool = True,
         confidence_threshold: float | None = None,
+        min_path_prob: float | None = None,
     ):
         if target is None:
             raise InputError("the EAGLE proposer needs the target model: its draft shares the target's embedding and reads its features")
@@ -81,8 +84,8 @@ class EagleProposer:
             raise InputError(
                 f"max_nodes must be at least the depth k={k} (a budget below the depth cannot hold one full chain), got {max_nodes}"
             )
-        if confidence_threshold is not None and not 0.0 <= confidence_threshold < 1.0:
-            raise InputError(f"confidence_threshold must be in [0, 1) or None, got {confidence_threshold}")
+        check_probability("confidence_threshold", confidence_threshold)
+        check_probability("min_path_prob", min_path_prob)
         if isinstance(model, (str, Path)):
             model = load_draft(model, target)
         else:
@@ -92,9 +95,11 @@ class EagleProposer:
         self.vocab_size = model.cfg.vocab_size
         self.hidden_layers = tuple(model.cfg.aux_layers)
         self.k, self.tree_width, self.max_nodes, self.sample = k, tree_width, max_nodes, sample
-        self.confidence_threshold = confidence_threshold
+        self.confidence_threshold, self.min_path_prob = confidence_threshold, min_path_prob
         self.device = model.fc.weight.device
-        self._draft_ids = model.draft_to_target() if model.cfg.version == 3 else None
+        ids = model.draft_to_target() if model.cfg.version == 3 else None
+        # draft logits need a scatter onto target ids only where the draft vocabulary is not the target's in order
+        self._draft_ids = None if ids is None or torch.equal(ids, torch.arange(self.vocab_size, device=ids.device)) else ids
         self.cache: PreallocatedLayer | None = None
         self._features: list[torch.Tensor] = []  # [rows, feature] blocks of positions not yet fed, in order
         self._fed = 0  # draft entries fed with the target's own features (positions 0 .. fed - 1)
@@ -181,6 +186,7 @@ class EagleProposer:
             max_nodes=self.max_nodes,
             confidence_threshold=self.confidence_threshold,
             generator=context.generator,
+            min_path_prob=self.min_path_prob,
         )
         return grown.draft
 

@@ -98,8 +98,42 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # in float32 (no-ops for a float32 draft), the weight applied inside the kernel: one op instead of four
+        # in float32, the weight applied inside the kernel: one op instead of four
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``; without autograd its weights straight into ``F.linear`` (a module call costs more than a small matmul)."""
+    return module(x) if torch.is_grad_enabled() else F.linear(x, module.weight, module.bias)
+
+
+class FusedCopy:
+    """The weights (and biases) of some ``nn.Linear``s stacked into one, for matmuls without autograd.
+
+    The copy is rebuilt whenever one of the tensors changed since it was taken: moved
+    (another data pointer) or updated in place (an optimizer step bumps its version), so a
+    head that is still training drafts with its current weights. It is not a module
+    attribute of its own: ``state_dict`` and checkpoints never see it.
+    """
+
+    def __init__(self, linears: tuple[nn.Linear, ...]):
+        self.linears = linears
+        self.key: tuple | None = None
+        self.value: tuple[torch.Tensor, torch.Tensor | None] = (torch.empty(0), None)
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(weight, bias)``: the stacked weights ``[sum of outputs, inputs]`` and biases (None when they have none)."""
+        tensors = [t for linear in self.linears for t in (linear.weight, linear.bias) if t is not None]
+        key = tuple((t.data_ptr(), t._version, t.dtype) for t in tensors)
+        if key != self.key:
+            with torch.no_grad():
+                weight = torch.cat([linear.weight.detach() for linear in self.linears])
+                biases = [linear.bias for linear in self.linears]
+                bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+            self.key, self.value = key, (weight, bias)
+        return self.value
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -150,10 +184,21 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(input_width, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(input_width, kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self._fused = FusedCopy((self.q_proj, self.k_proj, self.v_proj))
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x`` ``[batch, m, width]`` -> rotated q ``[batch, heads, m, d]``, k and v ``[batch, kv_heads, m, d]``."""
+        """``x`` ``[batch, m, width]`` -> rotated q ``[batch, heads, m, d]``, k and v ``[batch, kv_heads, m, d]``.
+
+        Without autograd (drafting) one matmul over the three projections and one rotation
+        of q and k together: the same values in 6 tensor ops instead of 17, which is most
+        of what a small draft layer costs on a CPU.
+        """
         batch, m, _ = x.shape
+        if not torch.is_grad_enabled():
+            heads, rotated = self.heads, self.heads + self.kv_heads
+            qkv = F.linear(x, *self._fused.get()).view(batch, m, rotated + self.kv_heads, self.head_dim).transpose(1, 2)
+            qk = rotate(qkv[:, :rotated], cos, sin)
+            return qk[:, :heads], qk[:, heads:], qkv[:, rotated:]
         q = self.q_proj(x).view(batch, m, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, m, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, m, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -162,7 +207,7 @@ class Attention(nn.Module):
     def out(self, attended: torch.Tensor) -> torch.Tensor:
         """``[batch, heads, m, d]`` -> ``[batch, m, hidden]``."""
         batch, _, m, _ = attended.shape
-        return self.o_proj(attended.transpose(1, 2).reshape(batch, m, self.heads * self.head_dim))
+        return linear(self.o_proj, attended.transpose(1, 2).reshape(batch, m, self.heads * self.head_dim))
 
     def expand_kv(self, t: torch.Tensor) -> torch.Tensor:
         repeat = self.heads // self.kv_heads
@@ -175,8 +220,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self._fused = FusedCopy((self.gate_proj, self.up_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # drafting: gate and up in one matmul
+            gate, up = F.linear(x, self._fused.get()[0]).chunk(2, dim=-1)
+            return F.linear(F.silu(gate).mul_(up), self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -252,12 +301,12 @@ class EagleDraft(nn.Module):
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """EAGLE-3: the concatenated aux features ``[..., 3 * target_hidden]`` -> ``[..., hidden]``; EAGLE-1: unchanged."""
-        return self.fc(features) if self.cfg.version == 3 else features
+        return linear(self.fc, features) if self.cfg.version == 3 else features
 
     def layer_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention input, residual) of a step from token embeddings and features ``[batch, m, hidden]``."""
         if self.cfg.version == 1:
-            x = self.fc(torch.cat([embeds, hidden], dim=-1))
+            x = linear(self.fc, torch.cat([embeds, hidden], dim=-1))
             return x, x
         return self.layer.attention_input(embeds, hidden), hidden
 
@@ -265,7 +314,7 @@ class EagleDraft(nn.Module):
         """Draft logits ``[..., draft_vocab]`` of layer outputs (EAGLE-1: the target's LM head on them directly)."""
         if self.cfg.version == 1:
             return F.linear(hidden, self.shared["lm_head"])
-        return self.lm_head(self.norm(hidden))
+        return linear(self.lm_head, self.norm(hidden))
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin ``[m, head_dim]`` of ``positions`` ``[m]``."""
