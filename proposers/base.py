@@ -71,6 +71,15 @@ def check_real(name: str, value: Any) -> float:
     raise InputError(f"{name} must be a real number (int or float), got {value!r} ({type(value).__name__})")
 
 
+def check_probability(name: str, value: Any) -> float | None:
+    """``value`` as a float in [0, 1), or None; else an InputError naming ``name`` (a threshold on draft probabilities)."""
+    if value is None:
+        return None
+    if not 0.0 <= check_real(name, value) < 1.0:
+        raise InputError(f"{name} must be in [0, 1) or None, got {value!r}")
+    return float(value)
+
+
 def check_integer(name: str, value: Any) -> int:
     """``value`` as an int when it is an integer (int, numpy integer; not bool, not float); else an InputError naming ``name``."""
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):

@@ -20,7 +20,16 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .base import Draft, InputError, ProposeContext, TargetFeatures, TransformersPeer, VerifyResult, output_vocab_size
+from .base import (
+    Draft,
+    InputError,
+    ProposeContext,
+    TargetFeatures,
+    TransformersPeer,
+    VerifyResult,
+    check_probability,
+    output_vocab_size,
+)
 from .cache import make_cache
 from .engine import EngineExport, check_format, write_export, write_spec
 from .lean_forward import LEAN_MAX_ROWS, fast_paths, forward_mode
@@ -47,6 +56,8 @@ class DraftModelProposer:
         k_min, k_max: bounds of the dynamic depth.
         confidence_threshold: stop extending a branch after a token whose draft
             probability is below this (None: always draft the full depth).
+        min_path_prob: drop (greedy trees) and never expand nodes whose path probability
+            is below this (``grow_dynamic_tree``): each node costs a row of the target's forward.
         target: the target model; when given, the vocabularies are checked against it.
         lean_forward: call the draft's submodules directly during drafting when a probe
             shows that this gives its own forward's logits (``proposers.lean_forward``);
@@ -86,12 +97,13 @@ class DraftModelProposer:
         k_min: int = 1,
         k_max: int = 8,
         confidence_threshold: float | None = None,
+        min_path_prob: float | None = None,
         target: nn.Module | None = None,
         lean_forward: bool | None = None,
         preallocated_cache: bool | None = None,
         compile: bool = False,
     ):
-        _check_settings(k, tree_width, max_nodes, dynamic, k_min, k_max, confidence_threshold)
+        _check_settings(k, tree_width, max_nodes, dynamic, k_min, k_max, confidence_threshold, min_path_prob)
         if isinstance(model, (str, Path)):
             model = load_draft_model(model, device=target.device if target is not None else None)
         check_full_attention(model, "draft")
@@ -104,7 +116,7 @@ class DraftModelProposer:
             warn_if_bigger(model, target)
         self.k, self.tree_width, self.max_nodes = k, tree_width, max_nodes
         self.dynamic, self.k_min, self.k_max = dynamic, k_min, k_max
-        self.confidence_threshold = confidence_threshold
+        self.confidence_threshold, self.min_path_prob = confidence_threshold, min_path_prob
         paths = fast_paths(self.model, "draft", preallocated_cache, lean_forward, compile)
         self.preallocate, self.lean, self.compiled, self.forward = paths.preallocate, paths.lean, paths.compiled, paths.forward
         self.depth = k  # the current draft depth; moves only when dynamic
@@ -125,10 +137,10 @@ class DraftModelProposer:
         confidence threshold here is not part of the export (a warning says so).
         """
         check_format(format, ("vllm",), "draft_model")
-        if self.tree_width > 1 or self.dynamic or self.confidence_threshold is not None:
+        if self.tree_width > 1 or self.dynamic or self.confidence_threshold is not None or self.min_path_prob is not None:
             warnings.warn(
-                f"vLLM's draft_model method drafts a {self.k}-token chain every step; tree_width, dynamic and "
-                "confidence_threshold are not exported",
+                f"vLLM's draft_model method drafts a {self.k}-token chain every step; tree_width, dynamic, "
+                "confidence_threshold and min_path_prob are not exported",
                 stacklevel=2,
             )
         config = self.model.config
@@ -184,6 +196,7 @@ class DraftModelProposer:
                 max_nodes=self.max_nodes,
                 confidence_threshold=self.confidence_threshold,
                 generator=context.generator,
+                min_path_prob=self.min_path_prob,
             )
         except BaseException:
             self._crop(committed)
@@ -290,15 +303,15 @@ class DraftModelProposer:
 # -- construction checks -------------------------------------------------------------
 
 
-def _check_settings(k, tree_width, max_nodes, dynamic, k_min, k_max, confidence_threshold) -> None:
+def _check_settings(k, tree_width, max_nodes, dynamic, k_min, k_max, confidence_threshold, min_path_prob) -> None:
     if k < 1 or tree_width < 1:
         raise InputError(f"k and tree_width must be >= 1, got k={k}, tree_width={tree_width}")
     if max_nodes is not None and max_nodes < 1:
         raise InputError(f"max_nodes must be >= 1 or None, got {max_nodes}")
     if dynamic and not 1 <= k_min <= k <= k_max:
         raise InputError(f"dynamic depth needs 1 <= k_min <= k <= k_max, got k_min={k_min}, k={k}, k_max={k_max}")
-    if confidence_threshold is not None and not 0.0 <= confidence_threshold < 1.0:
-        raise InputError(f"confidence_threshold must be in [0, 1) or None, got {confidence_threshold}")
+    check_probability("confidence_threshold", confidence_threshold)
+    check_probability("min_path_prob", min_path_prob)
 
 
 def load_draft_model(path: str | Path, device: torch.device | None = None) -> nn.Module:

@@ -274,6 +274,7 @@ def grow_dynamic_tree(
     max_nodes: int | None = None,
     confidence_threshold: float | None = None,
     generator: torch.Generator | None = None,
+    min_path_prob: float | None = None,
 ) -> GrownTree:
     """Grow a draft tree depth by depth (EAGLE-2, Li et al. 2024); ``width=1`` grows a chain.
 
@@ -296,6 +297,15 @@ def grow_dynamic_tree(
         confidence_threshold: a leaf whose own draft probability is below this stays in
             the tree but is not expanded (None: no threshold).
         generator: the request's generator, for sampled children.
+        min_path_prob: a node whose path probability (the product of the draft
+            probabilities from the root to it, EAGLE-2's estimate of its chance to be
+            accepted) is below this is not expanded, and a deterministic tree drops it. A
+            node costs the verifier a row of the target's forward whatever its chance, so
+            on hardware where rows are not free this trades the unlikely nodes (and the
+            draft forwards of depths that hold only such nodes) for time. Children never
+            score above their parent, so the kept tree stays closed under ancestors. A
+            sampled tree keeps every drawn node (dropping a node for its own drawn value
+            would bias the verifier) and only stops expanding. None: no limit.
     """
     assert root_logits.dim() == 1 and depth >= 1 and width >= 1, f"root_logits {tuple(root_logits.shape)}, depth {depth}, width {width}"
     assert max_nodes is None or max_nodes >= 1, f"max_nodes must be >= 1 or None, got {max_nodes}"
@@ -306,47 +316,48 @@ def grow_dynamic_tree(
     # dropping low-scoring sampled nodes afterwards would bias the accepted tokens.
     # A deterministic tree has no such constraint: it is reranked to the budget at the end.
     draw_budget = max_nodes if sampled else None
+    floor = math.log(min_path_prob) if min_path_prob else -math.inf  # the scores are log path probabilities
     tree = DraftTree()
 
-    def add_children(parent: int, logits: torch.Tensor) -> list[int]:
-        count = width if draw_budget is None else min(width, draw_budget - len(tree))
-        if count < 1:
-            return []
-        if sampled:
-            tokens, probs, rows = sampled_children(logits, count, sampling, generator)
-        else:
-            tokens, probs, rows = top_k_children(logits, count)
-        return tree.add_children(parent, tokens, probs, rows)
+    def add_children(parents: list[int], logits: torch.Tensor) -> list[int]:
+        """Children of each of ``parents`` from its row of ``logits`` ``[len(parents), vocab]``; their indices."""
+        if not sampled:  # top-k of every row at once: one softmax, one topk, one copy to Python
+            tokens, probs = top_k_rows(logits, width)
+            return [child for parent, t, p in zip(parents, tokens, probs, strict=True) for child in tree.add_children(parent, t, p, None)]
+        added = []
+        for parent, row in zip(parents, logits, strict=True):
+            count = min(width, draw_budget - len(tree)) if draw_budget is not None else width
+            if count < 1:
+                break
+            added += tree.add_children(parent, *sampled_children(row, count, sampling, generator))
+        return added
 
-    frontier = add_children(-1, root_logits)
+    frontier = add_children([-1], root_logits[None])
     reached = 1
     while reached < depth:
-        leaves = expandable_leaves(tree, frontier, width, confidence_threshold)
+        leaves = [n for n in expandable_leaves(tree, frontier, width, confidence_threshold) if tree.scores[n] >= floor]
         if not leaves or (draw_budget is not None and len(tree) >= draw_budget):
             break
         if not sampled and max_nodes is not None and _budget_is_settled(tree, leaves, max_nodes):
             break
-        logits = score(tree, leaves)  # [len(leaves), vocab], one draft forward
-        frontier = []
-        for leaf, row in zip(leaves, logits, strict=True):
-            frontier += add_children(leaf, row)
+        frontier = add_children(leaves, score(tree, leaves))  # [len(leaves), vocab]: one draft forward
         reached += 1
-    if draw_budget is not None or max_nodes is None or len(tree) <= max_nodes:
+    if sampled or (floor == -math.inf and (max_nodes is None or len(tree) <= max_nodes)):
         return GrownTree(tree.to_draft(), reached, list(range(len(tree))))
-    keep = best_nodes(tree.scores, max_nodes)
-    return GrownTree(tree.to_draft(keep), max(tree.depths[i] for i in keep), keep)
+    keep = [n for n in best_nodes(tree.scores, max_nodes or len(tree)) if tree.scores[n] >= floor]
+    return GrownTree(tree.to_draft(keep), max((tree.depths[i] for i in keep), default=0), keep)
 
 
-def top_k_children(logits: torch.Tensor, count: int) -> tuple[list[int], list[float], None]:
-    """The ``count`` most likely tokens of ``logits`` ``[vocab]`` and their raw softmax probabilities.
+def top_k_rows(logits: torch.Tensor, count: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The ``count`` most likely tokens of each row of ``logits`` ``[rows, vocab]`` and their raw softmax probabilities.
 
     Deterministic children (point masses for the verifier): scores and confidences use the
     raw softmax at any temperature, as in EAGLE-2 (a processed greedy distribution is a
     point mass); which deterministic children are proposed never affects what is lossless.
     """
-    probs = torch.softmax(logits, dim=-1)
-    values, indices = torch.topk(probs, min(count, probs.shape[-1]))
-    return indices.tolist(), values.tolist(), None
+    probs = torch.softmax(logits.float(), dim=-1)
+    values, indices = torch.topk(probs, min(count, probs.shape[-1]), dim=-1)
+    return indices.tolist(), values.tolist()
 
 
 def sampled_children(

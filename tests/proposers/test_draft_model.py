@@ -383,7 +383,7 @@ def test_vllm_export_round_trip(tied, model, drafts, tmp_path):
 
 
 def test_vllm_export_warns_about_what_the_engine_does_not_draft_and_refuses_bad_requests(model, drafts, tmp_path):
-    with pytest.warns(UserWarning, match="drafts a 4-token chain every step; tree_width, dynamic and confidence_threshold"):
+    with pytest.warns(UserWarning, match="drafts a 4-token chain every step; tree_width, dynamic, confidence_threshold and min_path_prob"):
         DraftModelProposer(drafts["other"], tree_width=2, target=model).export(tmp_path / "tree")
     with pytest.raises(InputError, match=r"exports to \['vllm'\], got format 'sglang'"):
         DraftModelProposer(drafts["other"], target=model).export(tmp_path / "x", format="sglang")

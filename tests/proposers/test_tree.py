@@ -201,6 +201,48 @@ def test_budget_stops_growing_once_the_rerank_is_settled():
     assert torch.equal(grown.draft.token_ids, unbudgeted.draft.token_ids)
 
 
+@pytest.mark.parametrize("max_nodes", [None, 30])
+@pytest.mark.parametrize("min_path_prob", [0.03, 0.08, 0.2])
+def test_min_path_prob_is_the_full_tree_without_its_unlikely_nodes(min_path_prob, max_nodes):
+    """A greedy tree under a path-probability floor is the unfloored tree minus the nodes below it, with fewer draft forwards."""
+    full, full_score = grow(depth=5, width=3, max_nodes=max_nodes)
+    expanded: list[float] = []  # the path score of every leaf the floored builder expanded
+
+    def score(tree, nodes):
+        expanded.extend(tree.scores[n] for n in nodes)
+        return FakeDraft()(tree, nodes)
+
+    floored = grow_dynamic_tree(fake_logits(()), score, 5, 3, SamplingParams(0.0), False, max_nodes=max_nodes, min_path_prob=min_path_prob)
+    floor = math.log(min_path_prob)
+    scores = path_scores(full.draft)
+    kept = [n for n, s in enumerate(scores) if s >= floor]
+    assert 0 < len(kept) < full.draft.num_nodes, "the floor must cut something here, or the check below is empty"
+    expected = keep_nodes(full.draft, kept)
+    assert torch.equal(floored.draft.token_ids, expected.token_ids) and torch.equal(floored.draft.parents, expected.parents)
+    assert all(s >= floor - 1e-6 for s in path_scores(floored.draft))
+    assert expanded and all(s >= floor for s in expanded), "a leaf under the floor was expanded"
+    if min_path_prob == 0.2:  # a floor this high ends the growth early: fewer draft forwards than the full tree's
+        assert len(expanded) < sum(map(len, full_score.calls))
+
+
+def test_min_path_prob_never_drops_a_sampled_node():
+    """A sampled tree keeps every drawn node (dropping one for its own value would bias the verifier); only expansion stops."""
+
+    def expanded_under_floor(draft: Draft) -> list[int]:
+        tokens, parents = draft.token_ids.tolist(), draft.parent_list
+        children = children_lists(parents)
+        path_prob: list[float] = []
+        for i, p in enumerate(parents):
+            path_prob.append((path_prob[p] if p >= 0 else 1.0) * float(draft.draft_probs[i, tokens[i]]))
+        assert any(q < 0.3 for q in path_prob), "no node under the floor was drawn: the check is empty"
+        return [i for i, q in enumerate(path_prob) if q < 0.3 and children[i + 1]]
+
+    floored, _ = grow(depth=4, width=2, temperature=1.0, sampled=True, seed=3, min_path_prob=0.3)
+    assert expanded_under_floor(floored.draft) == []
+    unfloored, _ = grow(depth=4, width=2, temperature=1.0, sampled=True, seed=3)
+    assert expanded_under_floor(unfloored.draft), "the negative control: without the floor such nodes grow children"
+
+
 def test_sampled_tree_keeps_siblings_in_draw_order_with_their_rows():
     """Sibling k was drawn from the processed draft distribution with siblings 0..k-1 removed, renormalised."""
     sampling = SamplingParams(0.7)
