@@ -164,6 +164,7 @@ class SpeculativeDecoder:
             tock = time.perf_counter()
             # 2. score: root + every draft node in one target forward
             out = target.score(tokens[-1], draft)
+            scored = time.perf_counter()
             # 3. accept
             result = rejection_sample(draft, out.logits, sampling, generator)
             # 4. commit
@@ -175,6 +176,7 @@ class SpeculativeDecoder:
             stats.target_forwards += 1
             stats.record_step(_depth(draft), draft.num_nodes, result.num_accepted, result.recovered, emitted, draft.source)
             stats.draft_time += tock - tick
+            stats.score_time += scored - tock
             stats.verify_time += time.perf_counter() - tock
 
         stats.new_tokens = len(new_tokens)

@@ -44,6 +44,10 @@ class DecodeStats:
     ``steps_by_source`` / ``accepted_by_source``: for drafts that name their source
     (``Draft.source``, a composite's member), the steps each source drafted and the
     accepted draft tokens it emitted.
+    Timings (seconds): ``draft_time`` the proposer's calls; ``verify_time`` the rest of
+    each step (the target's forward, acceptance, commit, observe), of which ``score_time``
+    is the target's forward alone; ``total_time`` the whole request; ``ttft`` up to the
+    first token.
     """
 
     requests: int = 0
@@ -60,6 +64,7 @@ class DecodeStats:
     accepted_by_source: dict[str, int] = field(default_factory=dict)
     draft_time: float = 0.0
     verify_time: float = 0.0
+    score_time: float = 0.0
     total_time: float = 0.0
     ttft: float = 0.0
 
