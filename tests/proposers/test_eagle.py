@@ -64,6 +64,40 @@ def drafts(targets):
 # Training and drafting compute the same thing
 
 
+@pytest.mark.parametrize("kv_heads, bias", [(None, False), (1, True)])
+def test_drafting_without_autograd_matches_the_modules_and_follows_weight_updates(kv_heads, bias):
+    """The stacked q / k / v and gate / up copies give the modules' values, and are rebuilt after an optimizer step."""
+    from draftsmith.proposers.eagle_head import MLP, Attention, rotate
+
+    torch.manual_seed(0)
+    attn, mlp = Attention(64, 32, 4, kv_heads or 4, 8, bias=bias), MLP(32, 48)
+    x, h = torch.randn(1, 5, 64), torch.randn(1, 5, 32)
+    angles = torch.randn(5, 8)
+    cos, sin = angles.cos(), angles.sin()
+
+    def by_modules():
+        q = attn.q_proj(x).view(1, 5, attn.heads, 8).transpose(1, 2)
+        k = attn.k_proj(x).view(1, 5, attn.kv_heads, 8).transpose(1, 2)
+        v = attn.v_proj(x).view(1, 5, attn.kv_heads, 8).transpose(1, 2)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v, mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+
+    def fused():
+        with torch.no_grad():
+            return (*attn.qkv(x, cos, sin), mlp(h))
+
+    for _ in range(2):
+        with torch.no_grad():
+            expected = by_modules()
+        for got, want in zip(fused(), expected, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        stale = [t.clone() for t in fused()]
+        optimizer = torch.optim.SGD([*attn.parameters(), *mlp.parameters()], lr=0.5)
+        loss = sum(t.square().sum() for t in by_modules())
+        loss.backward()
+        optimizer.step()
+    assert not torch.allclose(fused()[0], stale[0]), "the negative control: the step changed the weights"
+
+
 @pytest.mark.parametrize("draft_vocab_size", [None, 80])
 def test_unrolled_training_steps_equal_the_drafts_chain(draft_vocab_size, make_llama):
     """Step j of the training-time test at the row before the root equals the proposer's depth j + 1 logits.
