@@ -126,7 +126,8 @@ class FusedCopy:
     def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight, bias)``: the stacked weights ``[sum of outputs, inputs]`` and biases (None when they have none)."""
         tensors = [t for linear in self.linears for t in (linear.weight, linear.bias) if t is not None]
-        key = tuple((t.data_ptr(), t._version, t.dtype) for t in tensors)
+        # inference tensors (a head built under inference mode) keep no version: they cannot be trained
+        key = tuple((t.data_ptr(), 0 if t.is_inference() else t._version, t.dtype) for t in tensors)
         if key != self.key:
             with torch.no_grad():
                 weight = torch.cat([linear.weight.detach() for linear in self.linears])

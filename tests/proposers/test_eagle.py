@@ -96,6 +96,10 @@ def test_drafting_without_autograd_matches_the_modules_and_follows_weight_update
         loss.backward()
         optimizer.step()
     assert not torch.allclose(fused()[0], stale[0]), "the negative control: the step changed the weights"
+    with torch.inference_mode():  # a head built under inference mode (its weights keep no version) drafts too
+        built = Attention(64, 32, 4, kv_heads or 4, 8, bias=bias)
+        built.load_state_dict(attn.state_dict())
+        torch.testing.assert_close(built.qkv(x, cos, sin)[2], attn.qkv(x, cos, sin)[2])
 
 
 @pytest.mark.parametrize("draft_vocab_size", [None, 80])
