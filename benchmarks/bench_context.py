@@ -1,6 +1,6 @@
 """Forward cost against context, our plain loop against transformers, and each method against its bound.
 
-    python benchmarks/bench_context.py [--target recipes/demo_target] [--threads 1] [--parts forward,plain,bound]
+    python benchmarks/bench_context.py [--target recipes/demo_target] [--threads 1] [--parts forward,growth,plain,bound]
         [--compile] [--json out.json]
 
 1. T(k): one target step scoring k tokens after a context of C tokens (C = 128 / 512 / 1024 /
@@ -10,6 +10,7 @@
    Median of repeated steps, the cache cropped back after each, every path, context and
    width alternating call by call (the machine's speed drifts by 10-20% within seconds). At 2048 the demo target runs past its 1024 trained
    positions: its logits mean nothing there, its cost is what is measured.
+   ``growth``: T(1)'s ATen ops profiled at 128 and 1024 tokens of context, and which of them grew.
 2. Plain decoding: our loop (fast paths on) against transformers' greedy ``generate``, on
    held-out prompts of 128 and 960 tokens (960 + 64 new tokens fill the demo target's 1024
    positions), interleaved prompt by prompt; outputs checked token-identical. Whole
@@ -92,6 +93,38 @@ def forward_costs(model, repeats: int) -> dict:
         for width, samples in by_width.items():
             costs[path][f"{context}x{width}"] = statistics.median(samples)
     return costs
+
+
+@torch.inference_mode()
+def growth_by_op(model, repeats: int) -> dict:
+    """Self CPU time per ATen op of T(1) (fast paths on) at 128 and 1024 tokens of context, and what grew.
+
+    Shows which part of a step grows with the context: for a decode step it is attention's
+    read of every cached key and value, the rest of the step does not depend on the context.
+    """
+    from torch.profiler import profile
+
+    lean = LeanForward.probe(model)
+    targets = {}
+    for context in (128, 1024):
+        targets[context] = Target(model, preallocate=True, lean=lean)
+        targets[context].prefill(torch.randint(3, model.config.vocab_size, (1, context - 1)), capacity=context + 64)
+    per_op: dict[int, dict[str, float]] = {128: {}, 1024: {}}
+    rounds = 10  # the two contexts alternate in short profiled blocks: the machine's speed drifts
+    for _ in range(rounds):
+        for context, target in targets.items():
+            with profile() as prof:
+                for _ in range(repeats // rounds):
+                    target.score(5, Draft.empty())
+                    crop_cache(target.cache, context - 1)
+            for e in prof.key_averages():
+                per_op[context][e.key] = per_op[context].get(e.key, 0.0) + e.self_cpu_time_total / (repeats // rounds * rounds)
+    grew = {op: per_op[1024].get(op, 0.0) - per_op[128].get(op, 0.0) for op in set(per_op[128]) | set(per_op[1024])}
+    top = sorted(grew, key=lambda op: -abs(grew[op]))[:6]
+    return {
+        "total_us": {c: sum(ops.values()) for c, ops in per_op.items()},
+        "growth_us": {op: grew[op] for op in top},
+    }
 
 
 def heldout_prompts(tokenizer, target_dir: Path, length: int, count: int) -> list[torch.Tensor]:
@@ -260,6 +293,13 @@ def main() -> None:
                 + "  ".join(f"{ctx}: {1000 * c[f'{ctx}x1']:.2f} ms" for ctx in CONTEXTS)
                 + f"   growth 128->1024 {growth:+.0%}"
             )
+    if "growth" in parts:
+        result["growth_by_op"] = growth_by_op(model, args.repeats * 5)
+        totals, grown = result["growth_by_op"]["total_us"], result["growth_by_op"]["growth_us"]
+        print(
+            f"T(1) ATen self time: {totals[128]:.0f} us at 128, {totals[1024]:.0f} us at 1024; grew by op (us): "
+            + ", ".join(f"{op} {us:+.0f}" for op, us in grown.items())
+        )
     if "plain" in parts:
         result["plain_vs_generate"] = plain_against_transformers(model, tokenizer, target_dir, args)
         for length, row in result["plain_vs_generate"].items():

@@ -173,7 +173,7 @@ def _mixed_rows(docs: dict[str, list[Document]], num_prompts: int, prompt_chars:
 #: EAGLE-2's dynamic trees (eagle2); the EAGLE-3 head the same dynamic trees (6 deep, 2
 #: children per expanded node, 16 nodes: on this CPU a verified node costs a sixtieth of a
 #: target step whatever its chance, and these trees ran faster than 24-node ones with 3
-#: children in every paired run, at 5% less tau; benchmarks/RESULTS.md). MTP: the 3
+#: children in 11 of 12 paired runs, at 5-9% less tau; benchmarks/RESULTS.md). MTP: the 3
 #: modules draft a 3-token chain.
 SHIPPED = {
     "demo_draft": ("demo_draft", {"type": "draft_model", "k": 6, "confidence_threshold": 0.4}),
