@@ -171,7 +171,7 @@ def _mixed_rows(docs: dict[str, list[Document]], num_prompts: int, prompt_chars:
 #: fixed depth 4 on every demo domain (see benchmarks/RESULTS.md). Medusa grows the tree
 #: calibrated with its heads. EAGLE: the EAGLE-1 head drafts 5-token chains (eagle1) and
 #: EAGLE-2's dynamic trees (eagle2); the EAGLE-3 head the same dynamic trees (6 deep, 2
-#: children per expanded node, 16 nodes: on this CPU a verified node costs a sixtieth of a
+#: children per expanded node, 16 nodes: on this CPU a verified node costs a sixteenth of a
 #: target step whatever its chance, and these trees ran faster than 24-node ones with 3
 #: children in 11 of 12 paired runs, at 5-9% less tau; benchmarks/RESULTS.md). MTP: the 3
 #: modules draft a 3-token chain.
