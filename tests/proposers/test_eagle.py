@@ -66,11 +66,13 @@ def drafts(targets):
 
 @pytest.mark.parametrize("kv_heads, bias", [(None, False), (1, True)])
 def test_drafting_without_autograd_matches_the_modules_and_follows_weight_updates(kv_heads, bias):
-    """The stacked q / k / v and gate / up copies give the modules' values, and are rebuilt after an optimizer step."""
+    """The stacked q / k / v and gate / up copies give the modules' values (GQA, a missing bias), rebuilt after an optimizer step."""
     from draftsmith.proposers.eagle_head import MLP, Attention, rotate
 
     torch.manual_seed(0)
     attn, mlp = Attention(64, 32, 4, kv_heads or 4, 8, bias=bias), MLP(32, 48)
+    if bias:
+        attn.k_proj.bias = None  # one projection without a bias: zeros in the stacked copy
     x, h = torch.randn(1, 5, 64), torch.randn(1, 5, 32)
     angles = torch.randn(5, 8)
     cos, sin = angles.cos(), angles.sin()
@@ -98,6 +100,8 @@ def test_drafting_without_autograd_matches_the_modules_and_follows_weight_update
     assert not torch.allclose(fused()[0], stale[0]), "the negative control: the step changed the weights"
     with torch.inference_mode():  # a head built under inference mode (its weights keep no version) drafts too
         built = Attention(64, 32, 4, kv_heads or 4, 8, bias=bias)
+        if bias:
+            built.k_proj.bias = None
         built.load_state_dict(attn.state_dict())
         torch.testing.assert_close(built.qkv(x, cos, sin)[2], attn.qkv(x, cos, sin)[2])
 
