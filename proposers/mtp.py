@@ -33,7 +33,17 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .base import Draft, InputError, ProposeContext, TargetFeatures, VerifyResult, check_integer, logits_to_probs, output_vocab_size
+from .base import (
+    Draft,
+    InputError,
+    ProposeContext,
+    TargetFeatures,
+    VerifyResult,
+    check_integer,
+    check_probability,
+    logits_to_probs,
+    output_vocab_size,
+)
 from .cache import PreallocatedLayer
 from .eagle_head import MLP, Attention, RMSNorm, RotaryTable, cached_attention, layer_shape
 from .engine import CONFIG, WEIGHTS, EngineExport, check_format, check_tensors, write_export, write_spec
@@ -207,6 +217,8 @@ class MtpProposer:
         max_nodes: a tree's node budget (None: no limit beyond width and depth).
         sample: at T > 0, a tree's children are sampled with their true draft distributions
             (False: top-k point masses).
+        min_path_prob: a tree's nodes under this path probability are never expanded, and a
+            greedy tree drops them (``grow_dynamic_tree``).
         target: the target (its embedding, LM head and shape).
         tokenizer: the target's tokenizer (written into an export, which the engine serves).
     """
@@ -221,6 +233,7 @@ class MtpProposer:
         tree_width: int = 1,
         max_nodes: int | None = None,
         sample: bool = True,
+        min_path_prob: float | None = None,
         target: nn.Module | None = None,
         tokenizer=None,
     ):
@@ -246,6 +259,7 @@ class MtpProposer:
         if max_nodes is not None and check_integer("max_nodes", max_nodes) < 1:
             raise InputError(f"max_nodes must be >= 1, got {max_nodes}")
         self.tree_width, self.max_nodes, self.sample = tree_width, max_nodes, sample
+        self.min_path_prob = check_probability("min_path_prob", min_path_prob)
         self.recursive, self.vocab_size = recursive, model.cfg.vocab_size
         self.device = next(model.parameters()).device
         self.caches: list[PreallocatedLayer] = []
@@ -365,7 +379,15 @@ class MtpProposer:
         root = self.modules.logits(0, self.last[0])[0].float().cpu()
         sampled = self.sample and not context.sampling.greedy
         grown = grow_dynamic_tree(
-            root, score, ready, self.tree_width, context.sampling, sampled, max_nodes=self.max_nodes, generator=context.generator
+            root,
+            score,
+            ready,
+            self.tree_width,
+            context.sampling,
+            sampled,
+            max_nodes=self.max_nodes,
+            generator=context.generator,
+            min_path_prob=self.min_path_prob,
         )
         return grown.draft
 
