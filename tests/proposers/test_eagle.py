@@ -67,7 +67,7 @@ def drafts(targets):
 @pytest.mark.parametrize("kv_heads, bias", [(None, False), (1, True)])
 def test_drafting_without_autograd_matches_the_modules_and_follows_weight_updates(kv_heads, bias):
     """The stacked q / k / v and gate / up copies give the modules' values (GQA, a missing bias), rebuilt after an optimizer step."""
-    from draftsmith.proposers.eagle_head import MLP, Attention, rotate
+    from draftsmith.proposers.draft_layers import MLP, Attention, rotate
 
     torch.manual_seed(0)
     attn, mlp = Attention(64, 32, 4, kv_heads or 4, 8, bias=bias), MLP(32, 48)
