@@ -160,3 +160,22 @@ class MLP(nn.Module):
             gate, up = F.linear(x, self._fused.get()[0]).chunk(2, dim=-1)
             return F.linear(F.silu(gate).mul_(up), self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def layer_shape(
+    target: nn.Module, num_heads: int | None = None, num_kv_heads: int | None = None, intermediate_size: int | None = None
+) -> dict:
+    """A draft layer as wide as ``target``'s: its heads, head size, MLP width, norm epsilon and rotary base, unless given."""
+    tc = target.config
+    hidden = tc.hidden_size
+    heads = num_heads or tc.num_attention_heads
+    rope = getattr(tc, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
+    return {
+        "num_heads": heads,
+        "num_kv_heads": num_kv_heads or getattr(tc, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(tc, "head_dim", None) or hidden // heads,
+        "intermediate_size": intermediate_size or getattr(tc, "intermediate_size", 4 * hidden),
+        "rms_norm_eps": float(getattr(tc, "rms_norm_eps", 1e-6)),
+        "rope_theta": float(theta),
+    }

@@ -20,7 +20,7 @@ from torch import nn
 
 from .base import InputError, output_vocab_size
 from .cache import PreallocatedLayer
-from .draft_layers import MLP, Attention, RMSNorm, RotaryTable, cached_attention, linear
+from .draft_layers import MLP, Attention, RMSNorm, RotaryTable, cached_attention, layer_shape, linear
 from .engine import CONFIG, WEIGHTS, check_tensors
 
 
@@ -308,25 +308,6 @@ def draft_for_target(cfg: EagleConfig, target: nn.Module) -> EagleDraft:
     lm_head = target.get_output_embeddings().weight if cfg.version == 1 else None
     draft = EagleDraft(cfg, target.get_input_embeddings().weight, lm_head)
     return draft.to(target.device)
-
-
-def layer_shape(
-    target: nn.Module, num_heads: int | None = None, num_kv_heads: int | None = None, intermediate_size: int | None = None
-) -> dict:
-    """A draft layer as wide as ``target``'s: its heads, head size, MLP width, norm epsilon and rotary base, unless given."""
-    tc = target.config
-    hidden = tc.hidden_size
-    heads = num_heads or tc.num_attention_heads
-    rope = getattr(tc, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
-    return {
-        "num_heads": heads,
-        "num_kv_heads": num_kv_heads or getattr(tc, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(tc, "head_dim", None) or hidden // heads,
-        "intermediate_size": intermediate_size or getattr(tc, "intermediate_size", 4 * hidden),
-        "rms_norm_eps": float(getattr(tc, "rms_norm_eps", 1e-6)),
-        "rope_theta": float(theta),
-    }
 
 
 def config_for_target(

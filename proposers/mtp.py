@@ -45,8 +45,7 @@ from .base import (
     output_vocab_size,
 )
 from .cache import PreallocatedLayer
-from .draft_layers import MLP, Attention, RMSNorm, RotaryTable, cached_attention
-from .eagle_head import layer_shape
+from .draft_layers import MLP, Attention, RMSNorm, RotaryTable, cached_attention, layer_shape
 from .engine import CONFIG, WEIGHTS, EngineExport, check_format, check_tensors, write_export, write_spec
 from .tree import grow_dynamic_tree
 
