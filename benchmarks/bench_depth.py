@@ -40,8 +40,6 @@ def padded_target(target_dir: Path, depth: int, out_dir: Path) -> Path:
     """``target_dir``'s model with layers appended up to ``depth``, each adding zero to the residual; saved with its tokenizer."""
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     layers = model.config.num_hidden_layers
-    if depth < layers:
-        raise SystemExit(f"--depths: {depth} is below the target's {layers} layers")
     state = model.state_dict()
     config = model.config
     config.num_hidden_layers = depth
@@ -109,13 +107,18 @@ def main() -> None:
         return
     target_dir, out_dir = Path(args.target), Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
-    depths = [int(d) for d in args.depths.split(",")]
+    try:
+        depths = [int(d) for d in args.depths.split(",")]
+    except ValueError:
+        raise SystemExit(f"--depths must be comma-separated layer counts, such as 8,16,24, got {args.depths!r}") from None
+    shipped_depth = json.loads((target_dir / "config.json").read_text())["num_hidden_layers"]
+    if min(depths) < shipped_depth:
+        raise SystemExit(f"--depths: {min(depths)} is below the target's {shipped_depth} layers")
     names = args.domains.split(",")
     written = build_domains(heldout_documents(target_dir), out_dir / "domains", args.prompts, 4 * args.prompt_tokens, 0)
     unknown = [n for n in names if n not in written]
     if unknown:
         raise SystemExit(f"--domains: {unknown} are not demo domains ({sorted(written)})")
-    shipped_depth = json.loads((target_dir / "config.json").read_text())["num_hidden_layers"]
     base = {**DEMO_PROPOSERS, **trained_drafts(target_dir)}
     results: dict[int, dict] = {}
     for depth in depths:
