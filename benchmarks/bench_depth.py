@@ -53,12 +53,12 @@ def padded_target(target_dir: Path, depth: int, out_dir: Path) -> Path:
                 suffix = name.removeprefix(last)
                 state[f"model.layers.{index}.{suffix}"] = torch.zeros_like(tensor) if suffix.startswith(ZEROED) else tensor.clone()
     deeper.load_state_dict(state)
+    check_same_function(model, deeper, layers)  # before anything is written: no directory of a wrong target is left behind
     out = out_dir / f"target_L{depth}"
     deeper.save_pretrained(out)
     for path in target_dir.iterdir():
         if path.suffix in (".json", ".jinja") and path.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copy(path, out / path.name)
-    check_same_function(model, deeper, layers)
     return out
 
 
