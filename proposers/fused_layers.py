@@ -50,9 +50,7 @@ class FusedLayers:
         cos, sin = rotary[0].unsqueeze(1), rotary[1].unsqueeze(1)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         k, v = cache.update(k, v, index)
-        attended = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=p["scaling"], enable_gqa=p["heads"][0] != p["heads"][1]
-        )  # [1, heads, m, head_dim]
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=p["scaling"], enable_gqa=p["gqa"])  # [1, heads, m, d]
         hidden = hidden + F.linear(attended.transpose(1, 2).reshape(1, rows, -1), p["o"], p["o_bias"])
         gate, up = F.linear(_rms_norm(hidden, p["norm2"], p["eps2"]), p["gate_up"]).chunk(2, dim=-1)
         return hidden + F.linear(F.silu(gate) * up, p["down"])
@@ -92,6 +90,8 @@ def _fused(layer: nn.Module) -> dict:
             "down": mlp.down_proj.weight.detach(),
             "head_dim": head_dim,
             "heads": heads,
+            # a bool of its own: computed from ``heads`` inside a compiled graph it would be symbolic, which SDPA refuses
+            "gqa": heads[0] != heads[1],
             "scaling": attn.scaling,
         }
 

@@ -33,6 +33,7 @@ def test_compiled_target_and_draft_decode_like_plain_greedy(model, draft, tree_w
         result = decoder.generate(PROMPT, max_new_tokens=24)
         assert result.new_tokens == plain
     assert counters["stats"]["unique_graphs"] >= 2  # target and draft graphs were compiled and run
+    assert not counters["graph_break"], dict(counters["graph_break"])  # each forward is one graph, not eager pieces between
     assert "runs eagerly" not in caplog.text  # no input kind fell back from its compiled graph
     # the same decoder's plain requests (no proposer) and an eager draft beside a compiled target
     assert SpeculativeDecoder(model, compile_forward=True, **ON).generate(PROMPT, max_new_tokens=24).new_tokens == plain
