@@ -133,8 +133,8 @@ class LeanForward:
         Run it under ``forward_mode(compiled=True)``: inductor cannot compile dynamic shapes
         of inference-mode tensors. The rotary lookup stays outside the graph, so the table
         (and its growth) never enters a guard. The first calls of each kind (one token,
-        several, a tree mask) compile, seconds each; measured on a CPU core it then halves
-        the demo target's step and cuts a third off the demo draft's
+        several, a tree mask) compile, seconds each. Over the layers' modules it halved
+        the demo target's step on a CPU core; over the fused layers it takes 5-10% off
         (``benchmarks/bench_compile.py``).
         """
         graphs: dict[tuple[bool, bool], Callable] = {}
