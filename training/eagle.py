@@ -18,8 +18,10 @@ training data.
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.proposers.base import InputError, check_integer, check_real
-from draftsmith.proposers.eagle_head import EagleDraft, config_for_target, draft_for_target
+from draftsmith.proposers.eagle_head import EagleConfig, EagleDraft, config_for_target, draft_for_target, load_draft
 
 from .capture import Captured
 from .losses import masked_mean
@@ -48,6 +50,10 @@ class EagleObjective:
         feature_weight: EAGLE-1's smooth-L1 feature loss weight.
         ce_weight: EAGLE-1's distribution loss weight (the paper's 0.1).
         num_heads, num_kv_heads, intermediate_size: the draft layer (None: the target's).
+        init_from: start from a head saved by an earlier run for this target (an
+            ``EagleDraft.save`` directory, e.g. a first stage on shorter blocks) instead of a
+            fresh one; its shape, aux layers and draft vocabulary must be the ones this
+            recipe describes.
     """
 
     needs_logits = True
@@ -64,6 +70,7 @@ class EagleObjective:
         num_heads: int | None = None,
         num_kv_heads: int | None = None,
         intermediate_size: int | None = None,
+        init_from: str | None = None,
     ):
         if version not in (1, 3):
             raise InputError(f"draft.version must be 1 or 3, got {version!r}")
@@ -79,16 +86,34 @@ class EagleObjective:
         self.version, self.aux_layers, self.draft_vocab_size, self.ttt_steps = version, aux_layers, draft_vocab_size, ttt_steps
         self.decay, self.feature_weight, self.ce_weight = decay, feature_weight, ce_weight
         self.shape = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "intermediate_size": intermediate_size}
+        self.init_from = init_from
         self.hidden_layers: tuple[int, ...] = (-1,) if version == 1 else tuple(aux_layers or ())
 
     def check(self, target: nn.Module, tokenizer) -> None:
         """Resolve the aux layers against the target (so that capture knows them) and check them and the vocabulary size."""
         self.config = config_for_target(target, self.version, self.aux_layers, self.draft_vocab_size, **self.shape)
         self.hidden_layers = tuple(self.config.aux_layers)
+        if self.init_from is not None:
+            self._check_start()
+
+    def _check_start(self) -> None:
+        """Raise unless ``init_from`` holds a head of the recipe's shape (an InputError names the first difference)."""
+        start = Path(self.init_from)
+        if not (start / "config.json").is_file():
+            raise FileNotFoundError(f"draft.init_from {start} holds no EAGLE head (no config.json)")
+        try:
+            saved = EagleConfig(**json.loads((start / "config.json").read_text(encoding="utf-8"))["draftsmith_eagle"])
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise InputError(f"draft.init_from {start}: its config.json cannot be used: {error}") from error
+        for key, mine in asdict(self.config).items():
+            if getattr(saved, key) != mine:
+                raise InputError(f"draft.init_from {start} has {key} {getattr(saved, key)!r}, this recipe asks for {mine!r}")
 
     def build(self, target: nn.Module, tokenizer, rows=None) -> nn.Module:
-        """A fresh draft for the target; EAGLE-3's vocabulary from the token frequencies of ``rows``."""
+        """A fresh draft for the target (EAGLE-3's vocabulary from the token frequencies of ``rows``), or ``init_from``'s."""
         self.check(target, tokenizer)
+        if self.init_from is not None:
+            return load_draft(self.init_from, target)  # its vocabulary maps and LM head come with it
         draft = draft_for_target(self.config, target)
         cfg = self.config
         if cfg.version == 3 and cfg.draft_vocab_size < cfg.vocab_size:
@@ -213,17 +238,35 @@ def _run_step(draft: EagleDraft, tokens: torch.Tensor, hidden: torch.Tensor, pos
     if len(keys) == 1:
         attended = F.scaled_dot_product_attention(q, keys[0][0], keys[0][1], is_causal=True)
         return draft.layer.finish(residual, attended)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    context = (q @ keys[0][0].transpose(-1, -2)) * scale  # [batch, heads, rows, rows]
-    causal = torch.ones(context.shape[-2:], dtype=torch.bool, device=q.device).tril()
-    context = context.masked_fill(~causal, float("-inf"))
-    own = torch.stack([(q * k_s).sum(-1) * scale for k_s, _ in keys[1:]], dim=-1)  # [batch, heads, rows, j]
-    weights = torch.softmax(torch.cat([context, own], dim=-1), dim=-1)
-    rows = context.shape[-1]
-    attended = weights[..., :rows] @ keys[0][1]
-    for s, (_, v_s) in enumerate(keys[1:]):
-        attended = attended + weights[..., rows + s : rows + s + 1] * v_s
-    return draft.layer.finish(residual, attended)
+    return draft.layer.finish(residual, ancestor_attention(q, keys))
+
+
+def ancestor_attention(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Row i attends to the context rows <= i (``keys[0]``) and to row i of every later step's entries.
+
+    One softmax over both parts, written out so that nothing of size ``rows x rows`` is
+    concatenated or sliced: autograd would allocate a zero-filled copy of that size for
+    every slice's gradient, which cost more than the attention itself at 1024 rows.
+    The scale and the causal mask go into the score matmul (``baddbmm``); the shift by
+    the row maximum is a constant for autograd (softmax does not depend on it).
+
+    Args:
+        q: ``[batch, heads, rows, d]``; keys: ``(k, v)`` pairs ``[batch, heads, rows, d]``, the context's first.
+    """
+    batch, heads, rows, d = q.shape
+    scale = 1.0 / math.sqrt(d)
+    (k0, v0), own = keys[0], keys[1:]
+    blocked = torch.full((rows, rows), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
+    flat = batch * heads
+    context = torch.baddbmm(blocked[None], q.reshape(flat, rows, d), k0.reshape(flat, rows, d).transpose(1, 2), alpha=scale)
+    own_scores = torch.stack([(q * k_s).sum(-1) * scale for k_s, _ in own], dim=-1).reshape(flat, rows, len(own))
+    shift = torch.maximum(context.amax(-1), own_scores.amax(-1)).detach()[..., None]  # [flat, rows, 1]
+    context, own_scores = torch.exp(context - shift), torch.exp(own_scores - shift)
+    total = context.sum(-1, keepdim=True) + own_scores.sum(-1, keepdim=True)
+    attended = torch.bmm(context, v0.reshape(flat, rows, d))
+    for s, (_, v_s) in enumerate(own):
+        attended = attended + own_scores[..., s : s + 1] * v_s.reshape(flat, rows, d)
+    return (attended / total).reshape(batch, heads, rows, d)
 
 
 def token_frequencies(rows, vocab_size: int, max_rows: int | None = None) -> torch.Tensor:

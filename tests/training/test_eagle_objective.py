@@ -12,7 +12,7 @@ from draftsmith.proposers import load_proposer
 from draftsmith.proposers.base import InputError
 from draftsmith.training.capture import capture_offline
 from draftsmith.training.data import build_dataset
-from draftsmith.training.eagle import most_frequent, token_frequencies
+from draftsmith.training.eagle import ancestor_attention, most_frequent, token_frequencies
 from draftsmith.training.train import load_config, load_frozen_target, run
 from draftsmith.verify import SpeculativeDecoder, load_target
 
@@ -108,3 +108,68 @@ def test_eagle3_heads_start_from_the_targets_lm_head_rows_and_final_norm(make_ll
     assert set(range(40, 100)) <= set(ids.tolist())  # the most frequent ids are the draft vocabulary
     assert torch.equal(draft.lm_head.weight, target.lm_head.weight[ids])
     assert torch.equal(draft.norm.weight, target.model.norm.weight)
+
+
+def dense_ancestor_attention(q, keys, own_visible=True):
+    """The reference: one masked softmax over [context rows <= i, row i of each later step], built densely."""
+    rows = q.shape[-2]
+    scale = q.shape[-1] ** -0.5
+    context = (q @ keys[0][0].transpose(-1, -2)) * scale
+    context = context.masked_fill(~torch.ones(rows, rows, dtype=torch.bool).tril(), float("-inf"))
+    own = torch.stack([(q * k).sum(-1) * scale for k, _ in keys[1:]], dim=-1)
+    if not own_visible:  # negative control: the ancestors' entries dropped from the softmax
+        own = torch.full_like(own, float("-inf"))
+    weights = torch.softmax(torch.cat([context, own], dim=-1), dim=-1)
+    out = weights[..., :rows] @ keys[0][1]
+    for s, (_, v) in enumerate(keys[1:]):
+        out = out + weights[..., rows + s : rows + s + 1] * v
+    return out
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_ancestor_attention_values_and_gradients_equal_the_dense_softmax(steps):
+    generator = torch.Generator().manual_seed(steps)
+
+    def leaf(*shape):
+        return (3 * torch.randn(*shape, generator=generator, dtype=torch.float64)).requires_grad_()
+
+    q = leaf(2, 3, 9, 4)
+    keys = [(leaf(2, 3, 9, 4), leaf(2, 3, 9, 4)) for _ in range(steps + 1)]
+    inputs = [q] + [t for pair in keys for t in pair]
+    seed = torch.randn(2, 3, 9, 4, generator=generator, dtype=torch.float64)
+    got = ancestor_attention(q, keys)
+    grads = torch.autograd.grad((got * seed).sum(), inputs)
+    for own_visible, should_match in ((True, True), (False, False)):
+        want = dense_ancestor_attention(q, keys, own_visible)
+        want_grads = torch.autograd.grad((want * seed).sum(), inputs, allow_unused=True)  # the control leaves k unused
+        want_grads = [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, want_grads, strict=True)]
+        pairs = [(got, want), *zip(grads, want_grads, strict=True)]
+        match = all(torch.allclose(a, b, atol=1e-10) for a, b in pairs)
+        assert match == should_match, f"own entries visible: {own_visible}"
+
+
+def test_a_second_stage_starts_from_the_first_stages_head(deep_target_dir, text_file, tmp_path):
+    first = run(eagle3_config(deep_target_dir, text_file, tmp_path / "first", "max_steps=8"))
+    second = run(eagle3_config(deep_target_dir, text_file, tmp_path / "second", "max_steps=2", f"draft.init_from={first}"))
+    end, start = (json.loads((d / "heldout_metrics.json").read_text()) for d in (first, second))
+    assert start["start"]["loss"] == pytest.approx(end["end"]["loss"], rel=1e-5)  # the same head on the same held-out rows
+    written = load_file(str(second / "model.safetensors"))
+    assert torch.equal(written["d2t"], load_file(str(first / "model.safetensors"))["d2t"])  # the first stage's vocabulary
+    fresh = run(eagle3_config(deep_target_dir, text_file, tmp_path / "fresh", "max_steps=2"))
+    fresh = json.loads((fresh / "heldout_metrics.json").read_text())
+    assert fresh["start"]["loss"] > end["end"]["loss"]  # negative control: a fresh head starts elsewhere
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("draft.draft_vocab_size=100", "has draft_vocab_size 120, this recipe asks for 100"),
+        ("draft.intermediate_size=24", "has intermediate_size [0-9]+, this recipe asks for 24"),
+    ],
+)
+def test_a_start_of_another_shape_is_refused(override, message, deep_target_dir, text_file, tmp_path):
+    first = run(eagle3_config(deep_target_dir, text_file, tmp_path / "first", "max_steps=1"))
+    with pytest.raises(InputError, match=message):
+        run(eagle3_config(deep_target_dir, text_file, tmp_path / "second", f"draft.init_from={first}", override))
+    with pytest.raises(FileNotFoundError, match="holds no EAGLE head"):
+        run(eagle3_config(deep_target_dir, text_file, tmp_path / "third", f"draft.init_from={tmp_path / 'nothing'}"))
