@@ -47,3 +47,19 @@ def test_every_recipe_header_shows_its_command():
         assert any(
             ("draftsmith " in line or "accelerate launch" in line or "python -m" in line) for line in head if line.startswith("#")
         ), path
+
+
+def _training_recipes() -> list[Path]:
+    import yaml
+
+    from draftsmith.training.objective import OBJECTIVES
+
+    return [p for p in sorted(RECIPES.glob("*.yaml")) if (yaml.safe_load(p.read_text()) or {}).get("type") in OBJECTIVES]
+
+
+@pytest.mark.parametrize("path", _training_recipes(), ids=lambda p: p.name)
+def test_training_recipes_build_their_objective(path):
+    from draftsmith.training.train import load_config, make_objective
+
+    objective = make_objective(load_config(path))  # every draft: key is one the family takes, of its type
+    assert objective.needs_logits or objective.hidden_layers
