@@ -245,19 +245,24 @@ def checkpoint_config(cfg: EagleConfig) -> dict:
     return config
 
 
-def load_draft(path: str | Path, target: nn.Module) -> EagleDraft:
-    """Load an EAGLE draft written by ``EagleDraft.save`` for ``target``; a bad file or another target's head is one InputError line."""
+def read_config(path: str | Path) -> EagleConfig:
+    """The shape of the EAGLE draft saved in ``path`` (``EagleDraft.save``); a missing or bad config is one clear error."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"EAGLE draft directory {path} does not exist (no hub downloads: give a local directory)")
     config_file = path / CONFIG
     try:
-        values = json.loads(config_file.read_text(encoding="utf-8"))["draftsmith_eagle"]
-        cfg = EagleConfig(**values)
+        return EagleConfig(**json.loads(config_file.read_text(encoding="utf-8"))["draftsmith_eagle"])
     except FileNotFoundError:
         raise InputError(f"EAGLE draft directory {path} has no config.json") from None
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise InputError(f"EAGLE config {config_file} cannot be used: {error}") from error
+
+
+def load_draft(path: str | Path, target: nn.Module) -> EagleDraft:
+    """Load an EAGLE draft written by ``EagleDraft.save`` for ``target``; a bad file or another target's head is one InputError line."""
+    path = Path(path)
+    cfg = read_config(path)
     check_fits_target(cfg, target)
     draft = draft_for_target(cfg, target)
     try:

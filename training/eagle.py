@@ -18,7 +18,6 @@ training data.
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from dataclasses import asdict
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.proposers.base import InputError, check_integer, check_real
-from draftsmith.proposers.eagle_head import EagleConfig, EagleDraft, config_for_target, draft_for_target, load_draft
+from draftsmith.proposers.eagle_head import EagleDraft, config_for_target, draft_for_target, load_draft, read_config
 
 from .capture import Captured
 from .losses import masked_mean
@@ -98,16 +97,10 @@ class EagleObjective:
 
     def _check_start(self) -> None:
         """Raise unless ``init_from`` holds a head of the recipe's shape (an InputError names the first difference)."""
-        start = Path(self.init_from)
-        if not (start / "config.json").is_file():
-            raise FileNotFoundError(f"draft.init_from {start} holds no EAGLE head (no config.json)")
-        try:
-            saved = EagleConfig(**json.loads((start / "config.json").read_text(encoding="utf-8"))["draftsmith_eagle"])
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            raise InputError(f"draft.init_from {start}: its config.json cannot be used: {error}") from error
+        saved = read_config(self.init_from)
         for key, mine in asdict(self.config).items():
             if getattr(saved, key) != mine:
-                raise InputError(f"draft.init_from {start} has {key} {getattr(saved, key)!r}, this recipe asks for {mine!r}")
+                raise InputError(f"draft.init_from {self.init_from} has {key} {getattr(saved, key)!r}, this recipe asks for {mine!r}")
 
     def build(self, target: nn.Module, tokenizer, rows=None) -> nn.Module:
         """A fresh draft for the target (EAGLE-3's vocabulary from the token frequencies of ``rows``), or ``init_from``'s."""

@@ -171,5 +171,5 @@ def test_a_start_of_another_shape_is_refused(override, message, deep_target_dir,
     first = run(eagle3_config(deep_target_dir, text_file, tmp_path / "first", "max_steps=1"))
     with pytest.raises(InputError, match=message):
         run(eagle3_config(deep_target_dir, text_file, tmp_path / "second", f"draft.init_from={first}", override))
-    with pytest.raises(FileNotFoundError, match="holds no EAGLE head"):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
         run(eagle3_config(deep_target_dir, text_file, tmp_path / "third", f"draft.init_from={tmp_path / 'nothing'}"))
