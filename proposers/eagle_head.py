@@ -245,7 +245,7 @@ def checkpoint_config(cfg: EagleConfig) -> dict:
     return config
 
 
-def read_config(path: str | Path) -> EagleConfig:
+def read_head_config(path: str | Path) -> EagleConfig:
     """The shape of the EAGLE draft saved in ``path`` (``EagleDraft.save``); a missing or bad config is one clear error."""
     path = Path(path)
     if not path.is_dir():
@@ -262,7 +262,7 @@ def read_config(path: str | Path) -> EagleConfig:
 def load_draft(path: str | Path, target: nn.Module) -> EagleDraft:
     """Load an EAGLE draft written by ``EagleDraft.save`` for ``target``; a bad file or another target's head is one InputError line."""
     path = Path(path)
-    cfg = read_config(path)
+    cfg = read_head_config(path)
     check_fits_target(cfg, target)
     draft = draft_for_target(cfg, target)
     try:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.proposers.base import InputError, check_integer, check_real
-from draftsmith.proposers.eagle_head import EagleDraft, config_for_target, draft_for_target, load_draft, read_config
+from draftsmith.proposers.eagle_head import EagleDraft, config_for_target, draft_for_target, load_draft, read_head_config
 
 from .capture import Captured
 from .losses import masked_mean
@@ -97,7 +97,7 @@ class EagleObjective:
 
     def _check_start(self) -> None:
         """Raise unless ``init_from`` holds a head of the recipe's shape (an InputError names the first difference)."""
-        saved = read_config(self.init_from)
+        saved = read_head_config(self.init_from)
         for key, mine in asdict(self.config).items():
             if getattr(saved, key) != mine:
                 raise InputError(f"draft.init_from {self.init_from} has {key} {getattr(saved, key)!r}, this recipe asks for {mine!r}")
