@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from draftsmith.proposers.models import load_causal_lm
 from draftsmith.training.demo.run import DEMO_PROPOSERS, build_domains, heldout_documents, trained_drafts
 from draftsmith.verify.evaluation.evaluate import EvalConfig, evaluate
 
@@ -38,7 +39,7 @@ ZEROED = ("self_attn.o_proj", "mlp.down_proj")  # the projections that write int
 
 def padded_target(target_dir: Path, depth: int, out_dir: Path) -> Path:
     """``target_dir``'s model with layers appended up to ``depth``, each adding zero to the residual; saved with its tokenizer."""
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    model = load_causal_lm(target_dir, "target", dtype=torch.float32)  # the project's loader: a bad directory is one line
     layers = model.config.num_hidden_layers
     state = model.state_dict()
     config = model.config
@@ -136,10 +137,10 @@ def main() -> None:
         )
         summary = evaluate(config, progress=False)
         results[depth] = {(row["domain"], row["method"]): row for row in summary["rows"]}
-    report(results, names)
-    if args.json:
+    if args.json:  # written before the checks in ``report``: a failed check keeps the measurements it failed on
         rows = [{"depth": d, **row} for d, table in results.items() for row in table.values()]
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    report(results, names)
 
 
 def report(results: dict[int, dict], domains: list[str]) -> None:
