@@ -25,9 +25,8 @@ import torch
 import torch._dynamo
 from transformers import AutoModelForCausalLM
 
-from draftsmith.proposers.cache import make_cache
-from draftsmith.proposers.lean_forward import LeanForward, forward_mode
-from draftsmith.proposers.tree import crop_cache
+from draftsmith.proposers.core.cache import crop_cache, make_cache
+from draftsmith.proposers.core.lean_forward import LeanForward, forward_mode
 
 CYCLE = 50  # tokens before the cache is cropped back to the context
 

@@ -40,8 +40,8 @@ from harness import hf_greedy, run_interleaved  # noqa: E402 (benchmarks/ is the
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.proposers import Draft, load_proposer
-from draftsmith.proposers.lean_forward import LeanForward
-from draftsmith.proposers.tree import crop_cache
+from draftsmith.proposers.core.cache import crop_cache
+from draftsmith.proposers.core.lean_forward import LeanForward
 from draftsmith.training.demo.run import heldout_documents, trained_drafts
 from draftsmith.verify import SpeculativeDecoder
 from draftsmith.verify.target import Target

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from draftsmith.proposers.models import load_causal_lm
+from draftsmith.proposers.core.models import load_causal_lm
 from draftsmith.training.demo.run import DEMO_PROPOSERS, build_domains, heldout_documents, trained_drafts
 from draftsmith.verify.evaluation.evaluate import EvalConfig, evaluate
 

@@ -22,8 +22,8 @@ import torch
 from harness import run_interleaved  # noqa: E402 (benchmarks/ is the script directory)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from draftsmith.proposers.core.static_tree import cartesian_paths
 from draftsmith.proposers.medusa import MedusaProposer
-from draftsmith.proposers.static_tree import cartesian_paths
 from draftsmith.verify import SpeculativeDecoder
 from draftsmith.verify.evaluation.domains import load_domain
 

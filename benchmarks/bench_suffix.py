@@ -26,7 +26,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from draftsmith.proposers.base import ProposeContext, SamplingParams, VerifyResult
+from draftsmith.proposers.core.sampling import SamplingParams
+from draftsmith.proposers.core.types import ProposeContext, VerifyResult
 from draftsmith.proposers.ngram import NgramProposer
 from draftsmith.proposers.suffix import SuffixProposer
 from draftsmith.training.demo.run import heldout_documents

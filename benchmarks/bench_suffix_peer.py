@@ -27,14 +27,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from draftsmith.proposers.base import Draft, ProposeContext, TargetFeatures, VerifyResult
-from draftsmith.proposers.config import REGISTRY
+from draftsmith.proposers.core.proposer import ProposerBase
+from draftsmith.proposers.core.types import Draft, ProposeContext, TargetFeatures, VerifyResult
+from draftsmith.proposers.registry import REGISTRY
 from draftsmith.training.demo.run import build_domains, heldout_documents
 from draftsmith.verify.evaluation.evaluate import DomainFile, EvalConfig, evaluate
 from draftsmith.verify.evaluation.report import markdown_table
 
 
-class ArcticSuffixProposer:
+class ArcticSuffixProposer(ProposerBase):
     """ArcticInference's ``SuffixDecodingCache`` as a draftsmith proposer (tree speculation)."""
 
     hidden_layers: tuple[int, ...] = ()

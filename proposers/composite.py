@@ -14,13 +14,17 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from .base import Draft, InputError, ProposeContext, TargetFeatures, VerifyResult, output_vocab_size
-from .tree import merge_drafts
+from .core.errors import InputError
+from .core.models import output_vocab_size
+from .core.proposer import ProposerBase
+from .core.tree import merge_drafts
+from .core.types import Draft, ProposeContext, TargetFeatures, VerifyResult
+from .registry import load_proposer
 
 POLICIES = ("first_confident", "merge")
 
 
-class CompositeProposer:
+class CompositeProposer(ProposerBase):
     """Draft with the first confident member, or with the union of the members' trees.
 
     Args:
@@ -41,8 +45,6 @@ class CompositeProposer:
         target=None,
         tokenizer=None,
     ):
-        from .config import load_proposer  # config imports the proposer modules lazily, by name
-
         if not isinstance(proposers, list) or not proposers:
             raise InputError("proposers must be a non-empty list of proposer configs ({type: ..., ...} each)")
         if policy not in POLICIES:
@@ -70,12 +72,7 @@ class CompositeProposer:
     def reset(self) -> None:
         """Reset every member that keeps state across requests."""
         for member in self.members:
-            reset = getattr(member, "reset", None)
-            if reset is not None:
-                reset()
-
-    def transformers_peer(self):
-        return None  # transformers has no composite drafting
+            member.reset()
 
     def propose(self, context: ProposeContext) -> Draft:
         if self.policy == "first_confident":
@@ -97,7 +94,7 @@ class CompositeProposer:
 
 def _common_vocab_size(names: list[str], members: list, target) -> int | None:
     """The members' vocabulary size (the target's when given); InputError when two differ."""
-    sizes = {name: getattr(member, "vocab_size", None) for name, member in zip(names, members, strict=True)}
+    sizes = {name: member.vocab_size for name, member in zip(names, members, strict=True)}
     if target is not None:
         sizes = {"target": output_vocab_size(target), **sizes}
     known = {name: size for name, size in sizes.items() if size is not None}

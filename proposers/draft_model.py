@@ -20,27 +20,27 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .base import (
-    Draft,
-    InputError,
-    ProposeContext,
-    TargetFeatures,
-    TransformersPeer,
-    VerifyResult,
-    check_probability,
+from .core.cache import CACHE_HEADROOM, compact_cache, crop_cache, make_cache
+from .core.engine import EngineExport, check_format, write_export, write_spec
+from .core.errors import InputError, check_probability
+from .core.lean_forward import LEAN_MAX_ROWS, fast_paths, forward_mode
+from .core.models import (
+    TOKENIZER_FILES,
+    check_full_attention,
+    context_limit,
+    load_causal_lm,
+    load_tokenizer,
     output_vocab_size,
+    saved_tensors,
 )
-from .cache import make_cache
-from .engine import EngineExport, check_format, write_export, write_spec
-from .lean_forward import LEAN_MAX_ROWS, fast_paths, forward_mode
-from .models import TOKENIZER_FILES, check_full_attention, context_limit, load_causal_lm, load_tokenizer, saved_tensors
-from .tree import DraftTree, compact_cache, crop_cache, grow_dynamic_tree, incremental_tree_mask
+from .core.proposer import ProposerBase
+from .core.tree import DraftTree, grow_dynamic_tree, incremental_tree_mask
+from .core.types import Draft, ProposeContext, TargetFeatures, TransformersPeer, VerifyResult
 
-CACHE_HEADROOM = 256  # preallocated draft positions beyond the prompt (more grows the buffer)
 SAMPLED_TOKEN_IDS = 4096  # token strings compared between draft and target tokenizers
 
 
-class DraftModelProposer:
+class DraftModelProposer(ProposerBase):
     """Draft with a small causal LM that shares the target's vocabulary.
 
     Args:

@@ -35,19 +35,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .base import Draft, InputError, ProposeContext, TargetFeatures, VerifyResult, check_integer, check_probability
-from .cache import PreallocatedLayer
-from .eagle_head import EagleDraft, check_fits_target, checkpoint_config, load_draft
-from .engine import EngineExport, check_format, write_export, write_spec
-from .tree import DraftTree, grow_dynamic_tree, incremental_tree_mask
-
-CACHE_HEADROOM = 256
-
+from .core.cache import CACHE_HEADROOM, PreallocatedLayer
+from .core.engine import EngineExport, ExportControl, check_format, incomplete_copy, write_export, write_spec
+from .core.errors import InputError, check_integer, check_probability
+from .core.proposer import ProposerBase
+from .core.tree import DraftTree, grow_dynamic_tree, incremental_tree_mask
+from .core.types import Draft, ProposeContext, TargetFeatures, VerifyResult
+from .eagle_head import EagleDraft, check_head_fits, checkpoint_config, load_draft
 
 # -- the proposer ------------------------------------------------------------------------
 
 
-class EagleProposer:
+class EagleProposer(ProposerBase):
     """Draft with an EAGLE head: a chain (EAGLE-1), or EAGLE-2's dynamic tree.
 
     Args:
@@ -89,7 +88,7 @@ class EagleProposer:
         if isinstance(model, (str, Path)):
             model = load_draft(model, target)
         else:
-            check_fits_target(model.cfg, target)
+            check_head_fits(model.cfg, target)
         self.draft = model.eval()
         self.cfg = model.cfg
         self.vocab_size = model.cfg.vocab_size
@@ -103,9 +102,6 @@ class EagleProposer:
         self.cache: PreallocatedLayer | None = None
         self._features: list[torch.Tensor] = []  # [rows, feature] blocks of positions not yet fed, in order
         self._fed = 0  # draft entries fed with the target's own features (positions 0 .. fed - 1)
-
-    def transformers_peer(self) -> None:
-        return None  # transformers has no EAGLE
 
     def export(self, out_dir: str | Path, format: str = "vllm") -> EngineExport:
         """Write the head in the layout vLLM and SGLang load (its native one), checked tensor by tensor and field by field.
@@ -136,6 +132,34 @@ class EagleProposer:
         else:
             spec = {"method": "eagle3" if cfg.version == 3 else "eagle", "model": str(path), "num_speculative_tokens": self.k}
         return write_spec(EngineExport(path, format, spec))
+
+    def export_controls(self, export: EngineExport, work: Path) -> list[ExportControl]:
+        """EAGLE-3's incomplete exports, which an engine loads without a word (``export`` refuses both).
+
+        - without ``d2t``, when it maps a reduced vocabulary (all-zero offsets are the identity an
+          engine assumes anyway): the draft ids land on the wrong target tokens, so the engine
+          must accept near nothing;
+        - without the aux-layer-id fields, when they are not the engine's default
+          (``[2, N // 2, N - 3]``): it feeds the head other layers than it trained on; how much
+          that costs depends on how alike those layers are, so the gain is only reported.
+        """
+        cfg = self.cfg
+        if cfg.version != 3:
+            return []
+        controls = []
+        if bool(self.draft.d2t.any()):
+            controls.append(ExportControl("no d2t", incomplete_copy(export, work / f"{export.path.name}-no-d2t", drop="d2t"), True))
+        layers = cfg.target_num_layers
+        if list(cfg.aux_layers) != [2, layers // 2, layers - 3]:
+
+            def without_ids(config: dict) -> dict:
+                config.pop("eagle_aux_hidden_state_layer_ids")
+                config["eagle_config"] = {k: v for k, v in config["eagle_config"].items() if k != "eagle_aux_hidden_state_layer_ids"}
+                return config
+
+            copy = incomplete_copy(export, work / f"{export.path.name}-no-aux-ids", edit_config=without_ids)
+            controls.append(ExportControl("no aux ids", copy, False))
+        return controls
 
     def begin(self, prompt: list[int], features: TargetFeatures | None) -> None:
         self.cache = PreallocatedLayer(len(prompt) + CACHE_HEADROOM)

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
-from .base import InputError, output_vocab_size
-from .cache import PreallocatedLayer
-from .draft_layers import MLP, Attention, RMSNorm, RotaryTable, cached_attention, layer_shape, linear
-from .engine import CONFIG, WEIGHTS, check_tensors
+from .core.cache import PreallocatedLayer
+from .core.checkpoint import CONFIG, WEIGHTS, check_fits_target, check_tensors, read_checkpoint, read_config_file
+from .core.draft_layers import MLP, Attention, RMSNorm, RotaryTable, cached_attention, layer_shape, linear
+from .core.errors import InputError
+from .core.models import output_vocab_size
 
 
 @dataclass(frozen=True)
@@ -247,38 +247,29 @@ def checkpoint_config(cfg: EagleConfig) -> dict:
 
 def read_head_config(path: str | Path) -> EagleConfig:
     """The shape of the EAGLE draft saved in ``path`` (``EagleDraft.save``); a missing or bad config is one clear error."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"EAGLE draft directory {path} does not exist (no hub downloads: give a local directory)")
-    config_file = path / CONFIG
+    config = read_config_file(path, "EAGLE draft")
     try:
-        return EagleConfig(**json.loads(config_file.read_text(encoding="utf-8"))["draftsmith_eagle"])
-    except FileNotFoundError:
-        raise InputError(f"EAGLE draft directory {path} has no config.json") from None
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise InputError(f"EAGLE config {config_file} cannot be used: {error}") from error
+        return EagleConfig(**config["draftsmith_eagle"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise InputError(f"EAGLE config {Path(path) / CONFIG} cannot be used: {error}") from error
 
 
 def load_draft(path: str | Path, target: nn.Module) -> EagleDraft:
     """Load an EAGLE draft written by ``EagleDraft.save`` for ``target``; a bad file or another target's head is one InputError line."""
-    path = Path(path)
     cfg = read_head_config(path)
-    check_fits_target(cfg, target)
+    check_head_fits(cfg, target)
     draft = draft_for_target(cfg, target)
-    try:
-        tensors = load_file(str(path / WEIGHTS))
-    except (OSError, SafetensorError) as error:
-        raise InputError(f"EAGLE weights {path / WEIGHTS} cannot be read (missing, truncated or corrupt): {error}") from error
-    check_tensors(path / WEIGHTS, tensors, draft.tensors(), "EAGLE")
+    checkpoint = read_checkpoint(path, "EAGLE draft")
+    check_tensors(checkpoint.weights, checkpoint.tensors, draft.tensors(), "EAGLE")
     renamed = {}
-    for name, tensor in tensors.items():
+    for name, tensor in checkpoint.tensors.items():
         for prefix in ("midlayer.", "layers.0."):
             if name.startswith(prefix):
                 name = "layer." + name.removeprefix(prefix)
         renamed[name] = tensor.float() if tensor.is_floating_point() else tensor
     draft.load_state_dict(renamed)
     if cfg.version == 3:
-        check_vocabulary_maps(draft, path / WEIGHTS)
+        check_vocabulary_maps(draft, checkpoint.weights)
     return draft.eval()
 
 
@@ -294,18 +285,9 @@ def check_vocabulary_maps(draft: EagleDraft, where) -> None:
         raise InputError(f"{where}: t2d does not mark exactly the target ids d2t maps to")
 
 
-def check_fits_target(cfg: EagleConfig, target: nn.Module) -> None:
+def check_head_fits(cfg: EagleConfig, target: nn.Module) -> None:
     """Raise InputError unless a draft of shape ``cfg`` reads ``target``'s features and scores its vocabulary."""
-    tc = target.config
-    for what, mine, theirs in (
-        ("hidden size", cfg.target_hidden_size, getattr(tc, "hidden_size", None)),
-        ("number of layers", cfg.target_num_layers, getattr(tc, "num_hidden_layers", None)),
-        ("vocabulary", cfg.vocab_size, output_vocab_size(target)),
-    ):
-        if theirs is not None and mine != theirs:
-            raise InputError(
-                f"EAGLE draft was trained for a target of {what} {mine}, this target's is {theirs}: it is another target's head"
-            )
+    check_fits_target("EAGLE draft", target, cfg.target_hidden_size, cfg.target_num_layers, cfg.vocab_size)
 
 
 def draft_for_target(cfg: EagleConfig, target: nn.Module) -> EagleDraft:

@@ -1,7 +1,7 @@
 """The MTP modules a model checkpoint ships, read from its safetensors files.
 
 transformers drops these weights when it loads the model, so they are read from the
-checkpoint's files directly and renamed to ``proposers.mtp``'s modules. Layouts (the
+checkpoint's files directly and renamed to ``proposers.mtp_head``'s modules. Layouts (the
 engines' own names; the config announces the modules in ``num_nextn_predict_layers``, or
 ``mtp_num_hidden_layers``):
 
@@ -32,10 +32,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from .base import InputError
-from .engine import CONFIG
-from .models import saved_tensors
-from .mtp import MtpModules, config_for_target, modules_for_target
+from .core.checkpoint import CONFIG
+from .core.errors import InputError
+from .core.models import saved_tensors
+from .mtp_head import MtpModules, config_for_target, modules_for_target
 
 BLOCK = (
     "input_layernorm.weight",

@@ -11,14 +11,16 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from .base import Draft, InputError, ProposeContext, TargetFeatures, TransformersPeer, VerifyResult
-from .engine import EngineExport, check_format, config_export
-from .tree import merge_drafts
+from .core.engine import EngineExport, check_format, config_export
+from .core.errors import InputError
+from .core.proposer import ProposerBase
+from .core.tree import merge_drafts
+from .core.types import Draft, ProposeContext, TargetFeatures, TransformersPeer, VerifyResult
 
 MATCHES = ("latest", "earliest")
 
 
-class NgramProposer:
+class NgramProposer(ProposerBase):
     """Propose the continuation of the most recent earlier match of the context's suffix.
 
     Args:

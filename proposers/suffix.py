@@ -33,17 +33,19 @@ from pathlib import Path
 
 import torch
 
-from .base import Draft, InputError, ProposeContext, TargetFeatures, VerifyResult, check_integer, check_real, output_vocab_size
-from .config import read_text, write_text_atomic
-from .engine import EngineExport, check_format, config_export
-from .models import context_limit
+from .core.engine import EngineExport, check_format, config_export
+from .core.errors import InputError, check_integer, check_real
+from .core.files import read_text, write_text_atomic
+from .core.models import context_limit, output_vocab_size
+from .core.proposer import ProposerBase
+from .core.types import Draft, ProposeContext, TargetFeatures, VerifyResult
 from .suffix_trie import SuffixTrie
 
 STORE_FORMAT = "draftsmith-suffix-store"
 STORE_VERSION = 1
 
 
-class SuffixProposer:
+class SuffixProposer(ProposerBase):
     """Draft from suffix tries over this request and over earlier requests' outputs.
 
     Args:
@@ -162,9 +164,6 @@ class SuffixProposer:
         if not self.global_store:
             spec["suffix_decoding_max_cached_requests"] = 0
         return config_export(out_dir, format, spec)
-
-    def transformers_peer(self):
-        return None  # transformers has no suffix decoding
 
     # -- drafting ----------------------------------------------------------------------
 

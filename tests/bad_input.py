@@ -11,7 +11,7 @@ import math
 
 from hypothesis import strategies as st
 
-from draftsmith.proposers.base import InputError
+from draftsmith.proposers.core.errors import InputError
 
 # Anything a YAML file, a command line or a careless caller may hand over.
 ANY_VALUE = st.one_of(

@@ -13,7 +13,7 @@ from collections import Counter
 
 import torch
 
-from draftsmith.proposers.base import SamplingParams, logits_to_probs
+from draftsmith.proposers.core.sampling import SamplingParams, logits_to_probs
 from draftsmith.verify import SpeculativeDecoder
 
 V = 8

@@ -8,7 +8,7 @@ Online (the default), ``capture`` runs the target on each training batch in the 
 process. Offline, a command writes the captured features of a recipe's data once, as
 safetensors shards, and training reads them back as the same batches:
 
-    python -m draftsmith.training.capture --config recipes/<recipe>.yaml [key=value ...]
+    draftsmith capture --config recipes/training/<recipe>.yaml [key=value ...]
 
 It prints a size estimate (tokens x layers x hidden x bytes) first and refuses above
 ``capture.max_gb``; shards are written atomically, so an interrupted capture resumes where
@@ -18,10 +18,8 @@ target's LM head, which a check at capture time proves equal to the target's own
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -32,7 +30,8 @@ from safetensors.torch import save_file
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from draftsmith.proposers.config import ConfigError
+from draftsmith.proposers.core.errors import ConfigError
+from draftsmith.proposers.core.files import atomic_file
 from draftsmith.training.common import config_hash, file_signature
 
 
@@ -197,9 +196,8 @@ def write_shards(target, rows, out_dir: Path, layers: list[int], batch_size: int
             "offsets": torch.tensor([0, *torch.tensor([len(r) for r in ids]).cumsum(0).tolist()], dtype=torch.long),
         }
         tensors.update({f"hidden.{layer}": torch.cat(features[layer]).contiguous() for layer in layers})
-        partial = path.with_name(f".{path.name}.tmp")
-        save_file(tensors, str(partial))
-        os.replace(partial, path)
+        with atomic_file(path) as partial:
+            save_file(tensors, str(partial))
     return count
 
 
@@ -250,7 +248,7 @@ class CapturedRows(Dataset):
 def read_manifest(capture_dir: Path, key: str) -> dict:
     """The manifest of a complete offline capture made for ``key``; a clear error otherwise."""
     path = Path(capture_dir) / MANIFEST
-    hint = "run `python -m draftsmith.training.capture --config <this recipe>` first"
+    hint = "run `draftsmith capture --config <this recipe>` first"
     if not path.is_file():
         raise FileNotFoundError(f"capture.dir {capture_dir} holds no offline capture ({MANIFEST}); {hint}")
     manifest = json.loads(path.read_text())
@@ -263,45 +261,15 @@ def read_manifest(capture_dir: Path, key: str) -> dict:
     return manifest
 
 
-def offline_key(cfg, target) -> str:
-    """What an offline capture of a training recipe depends on (target weights and dtype, data keys, stored layers)."""
-    from .train import make_objective
+def offline_key(cfg, target, objective) -> str:
+    """What an offline capture of a training recipe depends on (target weights and dtype, data keys, stored layers).
 
-    objective = make_objective(cfg)
+    Args:
+        cfg: the recipe (``training.recipe.TrainConfig``); objective: its family's ``Objective``.
+    """
     objective.check(target, None)  # resolves target-dependent layers (EAGLE-3's default aux layers)
     data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in ("self_distill",)}
     data["self_distill"] = {k: v for k, v in dataclasses.asdict(cfg.data.self_distill).items() if k not in ("cache_dir", "batch_size")}
     data["seed"] = cfg.seed
     layers = stored_layers(target, objective.hidden_layers, objective.needs_logits)
     return capture_key(cfg.target, cfg.target_dtype, data, layers)
-
-
-def capture_offline(cfg) -> dict:
-    """Write a training recipe's train (and eval) rows with the target's features as safetensors shards; resumable."""
-    from .data import build_dataset, check_files, eval_config
-    from .train import load_frozen_target, make_objective, run_dir_of
-
-    objective, run_dir = make_objective(cfg), run_dir_of(cfg)
-    check_files(cfg.data.train_files + cfg.data.eval_files)
-    target, tokenizer = load_frozen_target(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    splits = {"train": build_dataset(cfg, cfg.data.train_files, tokenizer, target, run_dir, cfg.data.max_documents)}
-    if cfg.data.eval_files:
-        splits["eval"] = build_dataset(eval_config(cfg), cfg.data.eval_files, tokenizer, target, run_dir)
-    objective.check(target, tokenizer)
-    layers = stored_layers(target, objective.hidden_layers, objective.needs_logits)
-    return capture_dataset(target, splits, Path(cfg.capture.dir or run_dir / "capture"), layers, offline_key(cfg, target), cfg.capture)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Command line: capture a recipe's data offline (``--config recipe.yaml key=value ...``)."""
-    from .train import load_config
-
-    parser = argparse.ArgumentParser(description="Capture a training recipe's target features offline, as safetensors shards.")
-    parser.add_argument("--config", required=True, help="the training recipe (its target, data, type and capture keys)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides of recipe keys")
-    args = parser.parse_args(argv)
-    print(json.dumps(capture_offline(load_config(args.config, args.overrides)), indent=1))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,9 @@
-"""The ``draftsmith`` console script: generate, eval, demo, export and engine-check.
+"""The ``draftsmith`` console script: generate, eval, demo, export, engine-check, capture and calibrate.
 
-Training runs under its launchers (``accelerate launch -m draftsmith.training.train``), so
-that ``accelerate`` / ``torchrun`` start the processes; the script covers what runs in one.
+It sits at the top of the stack because it reaches every layer; each command's work lives
+in its layer (``verify``, ``verify.evaluation``, ``training``), imported only when the
+command runs. Training runs under its launchers (``accelerate launch -m
+draftsmith.training.train``), so that ``accelerate`` / ``torchrun`` start the processes.
 """
 
 from __future__ import annotations
@@ -63,6 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.add_argument("--domains-only", action="store_true", help="write the domain files under OUTPUT_DIR/domains and stop")
     demo.set_defaults(run=run_demo)
+
+    cap = commands.add_parser("capture", help="write a training recipe's target features once, as safetensors shards (capture.mode: offline)")
+    cap.add_argument("--config", required=True, help="the training recipe (its target, data, type and capture keys)")
+    cap.add_argument("overrides", nargs="*", help="key=value overrides of recipe keys")
+    cap.set_defaults(run=run_capture)
+
+    cal = commands.add_parser("calibrate", help="measure Medusa heads on a recipe's eval files and (re)write their calibration.json")
+    cal.add_argument("--config", required=True, help="the Medusa training recipe (output_dir holds the heads)")
+    cal.add_argument("overrides", nargs="*", help="key=value overrides of recipe keys")
+    cal.set_defaults(run=run_calibrate)
     return parser
 
 
@@ -71,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     Any other exception is a bug and keeps its traceback.
     """
-    from draftsmith.proposers.base import InputError
+    from draftsmith.proposers.core.errors import InputError
 
     args = build_parser().parse_args(argv)
     try:
@@ -121,17 +133,13 @@ def run_eval(args) -> int:
 
 def run_export(args) -> int:
     from draftsmith.proposers import load_proposer
-    from draftsmith.proposers.base import InputError
-    from draftsmith.proposers.config import read_config
+    from draftsmith.proposers.core.config import read_config
     from draftsmith.verify import load_target
 
     config = read_config(args.proposer, what="proposer config")
     target = load_target(args.target)[0] if args.target else None
     proposer = load_proposer(config, target=target)
-    export = getattr(proposer, "export", None)
-    if export is None:
-        raise InputError(f"proposer type {config['type']!r} has no engine export yet")
-    exported = export(args.output, format=args.format)
+    exported = proposer.export(args.output, format=args.format)
     print(f"exported to {exported.path}; serve it with:")
     for command in exported.serve_commands(args.target or "<target>"):
         print(f"  {command}")
@@ -163,6 +171,22 @@ def run_demo(args) -> int:
             print(f"{name}: {getattr(domain, 'path', domain)}")
         return 0
     print_summary(demo(**kwargs))
+    return 0
+
+
+def run_capture(args) -> int:
+    from draftsmith.training.commands import capture_offline
+    from draftsmith.training.recipe import load_config
+
+    print(json.dumps(capture_offline(load_config(args.config, args.overrides)), indent=1))
+    return 0
+
+
+def run_calibrate(args) -> int:
+    from draftsmith.training.commands import calibrate
+    from draftsmith.training.recipe import load_config
+
+    print(f"calibration written to {calibrate(load_config(args.config, args.overrides))}")
     return 0
 
 

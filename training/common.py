@@ -1,6 +1,6 @@
-"""What every trainer shares: config hashes, atomic checkpoints with resume, atomic exports, the schedule, the loss curve.
+"""What every trainer shares: config hashes, atomic checkpoints with resume, the schedule, the loss curve.
 
-Recipes are read by the project's one config loader (``draftsmith.proposers.config``). A run directory holds
+Recipes are read by the project's one config loader (``draftsmith.proposers.core.config``). A run directory holds
 ``checkpoints/step_<n>/`` written by ``accelerator.save_state`` into a temporary
 directory and renamed when complete, so an interrupt never leaves half a checkpoint.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from draftsmith.proposers.config import write_text_atomic
+from draftsmith.proposers.core.files import publish_directory, staging_dir, write_text_atomic
 
 # --- configs ---------------------------------------------------------------
 
@@ -107,7 +107,7 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, state: TrainState, 
     root = Path(run_dir, "checkpoints")
     final = root / f"step_{state.step:07d}"
     if not final.exists():  # an interrupt right after a scheduled save has nothing new to save
-        partial = root / f".{final.name}.tmp"
+        partial = staging_dir(final)  # every process writes its part here
         if accelerator.is_main_process and partial.exists():
             shutil.rmtree(partial)  # left by a save that was itself interrupted
         accelerator.wait_for_everyone()
@@ -116,7 +116,7 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, state: TrainState, 
         if accelerator.is_main_process:
             for name, text in (files or {}).items():
                 (partial / name).write_text(text)
-            os.replace(partial, final)
+            publish_directory(partial, final)
     if accelerator.is_main_process:
         for old in checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old)
@@ -133,31 +133,6 @@ def resume(accelerator: Accelerator, run_dir: Path, state: TrainState) -> Path |
     accelerator.load_state(str(found[-1]))
     accelerator.print(f"resumed from {found[-1]} (step {state.step})")
     return found[-1]
-
-
-def export_atomically(out: Path, write) -> Path:
-    """Run ``write(directory)`` into a fresh sibling of ``out``, then swap it in: ``out`` is old or new, never half-written.
-
-    An existing ``out`` is renamed aside, the new directory renamed into place, and the old one
-    removed. A kill between the two renames leaves the old directory as ``.<name>.old``; the
-    next export puts it back before it starts.
-    """
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial, old = out.with_name(f".{out.name}.partial"), out.with_name(f".{out.name}.old")
-    if old.exists() and not out.exists():
-        os.replace(old, out)  # restore what an interrupted swap set aside
-    for leftover in (partial, old):
-        if leftover.exists():
-            shutil.rmtree(leftover)
-    partial.mkdir()
-    write(partial)
-    if out.exists():
-        os.replace(out, old)
-    os.replace(partial, out)
-    if old.exists():
-        shutil.rmtree(old)
-    return out
 
 
 def small_llama(

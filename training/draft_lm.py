@@ -17,9 +17,9 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from draftsmith.proposers.base import InputError, check_real
+from draftsmith.proposers.core.errors import InputError, check_real
+from draftsmith.proposers.core.models import context_limit, load_causal_lm
 from draftsmith.proposers.draft_model import check_vocabulary, warn_if_bigger
-from draftsmith.proposers.models import context_limit, load_causal_lm
 
 from .capture import Captured
 from .common import small_llama

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.proposers.base import InputError, check_integer, check_real
+from draftsmith.proposers.core.errors import InputError, check_integer, check_real
 from draftsmith.proposers.eagle_head import EagleDraft, config_for_target, draft_for_target, load_draft, read_head_config
 
 from .capture import Captured

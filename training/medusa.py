@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.proposers.base import InputError, check_integer, check_real
-from draftsmith.proposers.medusa import DEFAULT_MAX_NODES, MedusaHeads, check_heads_fit, load_heads, write_calibration
+from draftsmith.proposers.core.errors import InputError, check_integer, check_real
+from draftsmith.proposers.medusa_head import DEFAULT_MAX_NODES, MedusaHeads, check_heads_fit, load_heads, write_calibration
 
 from .capture import Captured
 from .losses import forward_kl_to, log_probs, masked_mean
@@ -202,55 +202,3 @@ def rank_accuracy(heldout: dict, num_heads: int, ranks: int) -> list[list[float]
         top = [0.0] + [float(heldout.get(f"h{k}_top{r}", 0.0)) for r in range(1, ranks + 1)]
         table.append([round(max(top[r] - top[r - 1], 0.0), 4) for r in range(1, ranks + 1)])
     return table
-
-
-def calibrate(cfg) -> Path:
-    """Measure the heads in the recipe's ``output_dir`` on its eval files and (re)write their ``calibration.json``.
-
-    For heads trained before path counts existed, or elsewhere (a FasterDecoding
-    checkpoint loaded by ``load_heads``): the same held-out evaluation as at the end of
-    training, without training.
-    """
-    from functools import partial
-
-    from torch.utils.data import DataLoader
-
-    from draftsmith.proposers.medusa import CALIBRATION
-
-    from .capture import Capturer
-    from .data import build_dataset, collate, eval_config
-    from .train import heldout_metrics, load_frozen_target, make_accelerator, make_objective, run_dir_of
-
-    if not cfg.data.eval_files:
-        raise InputError("calibration measures the heads on held-out text: give data.eval_files")
-    out = Path(cfg.output_dir)
-    objective = make_objective(cfg)
-    accelerator = make_accelerator(cfg, run_dir_of(cfg))
-    target, tokenizer = load_frozen_target(cfg, accelerator.device)
-    heads = load_heads(out)
-    check_heads_fit(heads, target)
-    heads = heads.to(accelerator.device).eval()
-    rows = build_dataset(eval_config(cfg), cfg.data.eval_files, tokenizer, target, run_dir_of(cfg))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    loader = DataLoader(rows, batch_size=cfg.batch_size, collate_fn=partial(collate, pad_id=pad_id))
-    capturer = Capturer(target, objective.hidden_layers, objective.needs_logits, offline=False)
-    objective.ranks = max(objective.ranks, MIN_RANKS)
-    heldout = heldout_metrics(
-        heads, loader, lambda model, batch: objective.loss(model, batch, capturer(batch)), cfg.eval_batches, accelerator
-    )
-    counts = path_counts(objective.path_histogram, heads.num_heads, objective.ranks)
-    accuracy = rank_accuracy(heldout, heads.num_heads, objective.ranks)
-    write_calibration(out, accuracy, int(heldout["tokens"]), objective.max_nodes, counts)
-    return out / CALIBRATION
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m draftsmith.training.medusa --config RECIPE [key=value ...]``: calibrate the heads in the recipe's output_dir."""
-    from .common import recipe_command
-    from .train import load_config
-
-    recipe_command(argv, calibrate.__doc__.splitlines()[0], load_config, calibrate, lambda path: f"calibration written to {path}")
-
-
-if __name__ == "__main__":
-    main()

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.proposers.base import InputError, check_integer, check_real
-from draftsmith.proposers.mtp import MtpModules, config_for_target, modules_for_target
+from draftsmith.proposers.core.errors import InputError, check_integer, check_real
+from draftsmith.proposers.mtp_head import MtpModules, config_for_target, modules_for_target
 
 from .capture import Captured
 from .losses import masked_mean

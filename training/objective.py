@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from draftsmith.proposers.config import resolve_type
+from draftsmith.proposers.core.config import resolve_type
 
 from .capture import Captured
 

@@ -13,26 +13,18 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.proposers.base import (
-    Draft,
-    InputError,
-    ProposeContext,
-    Proposer,
-    SamplingParams,
-    TargetFeatures,
-    VerifyResult,
-    check_integer,
-    output_vocab_size,
-)
-from draftsmith.proposers.lean_forward import fast_paths, forward_mode
-from draftsmith.proposers.models import check_full_attention, context_limit
-from draftsmith.proposers.tree import node_depths, prune_depth, validate_draft
+from draftsmith.proposers.core.cache import CACHE_HEADROOM
+from draftsmith.proposers.core.errors import InputError, check_integer
+from draftsmith.proposers.core.lean_forward import fast_paths, forward_mode
+from draftsmith.proposers.core.models import check_full_attention, context_limit, output_vocab_size
+from draftsmith.proposers.core.proposer import Proposer, check_proposer
+from draftsmith.proposers.core.sampling import SamplingParams
+from draftsmith.proposers.core.tree import node_depths, prune_depth, validate_draft
+from draftsmith.proposers.core.types import Draft, ProposeContext, TargetFeatures, VerifyResult
 
 from .rejection import rejection_sample
 from .stats import DecodeStats
 from .target import Target, TargetOutput
-
-CACHE_HEADROOM = 64  # preallocated positions beyond prompt + output, for a step's draft nodes (more grows the buffer)
 
 
 @dataclass(frozen=True)
@@ -77,10 +69,10 @@ class SpeculativeDecoder:
             are refused); it is put in eval mode and never modified.
         proposer: any ``Proposer``; None decodes one token per target forward.
         preallocated_cache: keep the target's KV cache in buffers written in place
-            (``proposers.cache``) when a probe shows the model's logits unchanged by it;
+            (``proposers.core.cache``) when a probe shows the model's logits unchanged by it;
             else (or False) transformers' ``DynamicCache``. None: on unless the environment
             sets ``DRAFTSMITH_FAST_PATHS=0``.
-        lean_forward: score drafts through the model's own submodules (``proposers.lean_forward``)
+        lean_forward: score drafts through the model's own submodules (``proposers.core.lean_forward``)
             when a probe shows that gives its forward's logits; None as above.
         compile_forward: run that lean forward through ``torch.compile`` (off by default:
             each new input kind compiles for seconds, which only a long run wins back;
@@ -100,10 +92,10 @@ class SpeculativeDecoder:
         self.model = model.eval()
         paths = fast_paths(self.model, "target", preallocated_cache, lean_forward, compile_forward)
         self.preallocate, self.lean, self.compiled, self.forward = paths.preallocate, paths.lean, paths.compiled, paths.forward
-        self.proposer = proposer
+        self.proposer = check_proposer(proposer) if proposer is not None else None
         self.vocab_size = output_vocab_size(model)
         self.max_positions = context_limit(model)
-        proposer_vocab = getattr(proposer, "vocab_size", None)
+        proposer_vocab = proposer.vocab_size if proposer is not None else None
         if proposer_vocab is not None and proposer_vocab != self.vocab_size:
             raise InputError(f"proposer vocabulary size {proposer_vocab} differs from the target's {self.vocab_size}")
 

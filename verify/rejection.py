@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.proposers.base import Draft, SamplingParams, VerifyResult, logits_to_probs
-from draftsmith.proposers.tree import children_lists
+from draftsmith.proposers.core.sampling import SamplingParams, logits_to_probs
+from draftsmith.proposers.core.tree import children_lists
+from draftsmith.proposers.core.types import Draft, VerifyResult
 
 
 def rejection_sample(

@@ -15,11 +15,12 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from draftsmith.proposers.base import Draft, InputError, TargetFeatures, output_vocab_size
-from draftsmith.proposers.cache import make_cache
-from draftsmith.proposers.lean_forward import LEAN_MAX_ROWS, LeanForward
-from draftsmith.proposers.models import check_full_attention, context_limit, load_causal_lm, load_tokenizer
-from draftsmith.proposers.tree import compact_cache, crop_cache, tree_attention_mask, tree_position_ids
+from draftsmith.proposers.core.cache import compact_cache, crop_cache, make_cache
+from draftsmith.proposers.core.errors import InputError
+from draftsmith.proposers.core.lean_forward import LEAN_MAX_ROWS, LeanForward
+from draftsmith.proposers.core.models import check_full_attention, context_limit, load_causal_lm, load_tokenizer, output_vocab_size
+from draftsmith.proposers.core.tree import tree_attention_mask, tree_position_ids
+from draftsmith.proposers.core.types import Draft, TargetFeatures
 
 TARGET_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -46,7 +47,7 @@ class Target:
             layer cannot undo).
         hidden_layers: indices into the model's ``output_hidden_states`` tuple to return
             (0 = embeddings, i = output of layer i, -1 = the final normed state).
-        preallocate: keep the cache in ``proposers.cache`` buffers.
+        preallocate: keep the cache in ``proposers.core.cache`` buffers.
         lean: the model's lean forward (``LeanForward``, or its ``compiled()`` form) for
             scoring; None: the model's own forward.
     """

@@ -9,9 +9,11 @@ from law import V, assert_follows_law, assert_law_rejects
 
 import draftsmith.verify.rejection as rejection
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.base import Draft, InputError, ProposeContext, SamplingParams
 from draftsmith.proposers.composite import CompositeProposer
-from draftsmith.proposers.tree import merge_drafts
+from draftsmith.proposers.core.errors import InputError
+from draftsmith.proposers.core.sampling import SamplingParams
+from draftsmith.proposers.core.tree import merge_drafts
+from draftsmith.proposers.core.types import Draft, ProposeContext
 from draftsmith.verify import SpeculativeDecoder
 
 N_LAW = 1500

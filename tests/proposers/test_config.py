@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.config import ConfigError, apply_overrides, build, load, read_yaml
+from draftsmith.proposers.core.config import apply_overrides, build, load, read_yaml
+from draftsmith.proposers.core.errors import ConfigError
 
 
 @dataclass

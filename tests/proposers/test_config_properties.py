@@ -15,11 +15,11 @@ from bad_input import ANY_VALUE, ODD_KEYS, assert_one_line_naming
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from draftsmith.proposers import REGISTRY, load_proposer, mtp
-from draftsmith.proposers.base import InputError
-from draftsmith.proposers.config import resolve_type
+from draftsmith.proposers import REGISTRY, load_proposer, mtp_head
+from draftsmith.proposers.core.config import resolve_type
+from draftsmith.proposers.core.errors import InputError
 from draftsmith.proposers.eagle_head import config_for_target, draft_for_target
-from draftsmith.proposers.medusa import MedusaHeads, write_calibration
+from draftsmith.proposers.medusa_head import MedusaHeads, write_calibration
 from draftsmith.verify import SpeculativeDecoder
 
 PLAUSIBLE = st.one_of(st.integers(min_value=-1, max_value=7), st.floats(min_value=0.0, max_value=1.0), st.booleans(), st.none())
@@ -38,7 +38,7 @@ def setup(make_llama, tmp_path_factory):
     eagle_dir = tmp_path_factory.mktemp("eagle")
     draft_for_target(config_for_target(target, 1), target).save(eagle_dir)
     mtp_dir = tmp_path_factory.mktemp("mtp")
-    mtp.modules_for_target(mtp.config_for_target(target, 2), target).save(mtp_dir)
+    mtp_head.modules_for_target(mtp_head.config_for_target(target, 2), target).save(mtp_dir)
     plain = SpeculativeDecoder(target).generate(PROMPT, max_new_tokens=8).new_tokens
     required = {
         kind: {"model": str(path)}

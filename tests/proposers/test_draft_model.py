@@ -22,10 +22,12 @@ from law import V, exact_law, law_statistics, sample_law
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import DynamicCache, PreTrainedTokenizerFast
 
-import draftsmith.proposers.tree as tree
+import draftsmith.proposers.core.sampling as sampling
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.base import InputError, ProposeContext, SamplingParams
-from draftsmith.proposers.cache import fast_path_enabled
+from draftsmith.proposers.core.cache import fast_path_enabled
+from draftsmith.proposers.core.errors import InputError
+from draftsmith.proposers.core.sampling import SamplingParams
+from draftsmith.proposers.core.types import ProposeContext
 from draftsmith.proposers.draft_model import DraftModelProposer, load_draft_model
 from draftsmith.verify import SpeculativeDecoder
 
@@ -225,7 +227,7 @@ def test_sampled_output_follows_the_target_law(case, law_models, law_check):
     assert 0.05 < sum(a > 0 for a in accepted) / len(accepted) < 0.95
 
 
-sample_without_replacement = tree.sample_without_replacement
+sample_without_replacement = sampling.sample_without_replacement
 
 
 def sample_ignoring_earlier_siblings(probs, count, generator):
@@ -234,7 +236,7 @@ def sample_ignoring_earlier_siblings(probs, count, generator):
 
 
 def test_negative_control_wrong_draft_probs_fails_the_law_test(law_models, law_check, monkeypatch):
-    monkeypatch.setattr(tree, "sample_without_replacement", sample_ignoring_earlier_siblings)
+    monkeypatch.setattr(sampling, "sample_without_replacement", sample_ignoring_earlier_siblings)
     config, temperature = LAW_CASES["tree_t1.0"]
     target, draft_lm = law_models
     counts, _ = sample_law(target, DraftModelProposer(draft_lm, k=4, **config), SamplingParams(temperature), N_CONTROL)

@@ -18,7 +18,9 @@ from safetensors.torch import load_file, save_file
 
 import draftsmith.verify.rejection as rejection
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.base import InputError, ProposeContext, SamplingParams
+from draftsmith.proposers.core.errors import InputError
+from draftsmith.proposers.core.sampling import SamplingParams
+from draftsmith.proposers.core.types import ProposeContext
 from draftsmith.proposers.eagle import EagleProposer
 from draftsmith.proposers.eagle_head import checkpoint_config, config_for_target, default_aux_layers, draft_for_target
 from draftsmith.training.capture import capture
@@ -67,7 +69,7 @@ def drafts(targets):
 @pytest.mark.parametrize("kv_heads, bias", [(None, False), (1, True)])
 def test_drafting_without_autograd_matches_the_modules_and_follows_weight_updates(kv_heads, bias):
     """The stacked q / k / v and gate / up copies give the modules' values (GQA, a missing bias), rebuilt after an optimizer step."""
-    from draftsmith.proposers.draft_layers import MLP, Attention, rotate
+    from draftsmith.proposers.core.draft_layers import MLP, Attention, rotate
 
     torch.manual_seed(0)
     attn, mlp = Attention(64, 32, 4, kv_heads or 4, 8, bias=bias), MLP(32, 48)
@@ -129,7 +131,7 @@ def test_unrolled_training_steps_equal_the_drafts_chain(draft_vocab_size, make_l
     proposer._target_logits = lambda hidden: recorded.append(original(hidden)) or recorded[-1]
     with torch.no_grad():
         out = target(torch.tensor([prompt]), output_hidden_states=True)
-    from draftsmith.proposers.base import TargetFeatures
+    from draftsmith.proposers.core.types import TargetFeatures
 
     proposer.begin(prompt, TargetFeatures({layer: out.hidden_states[layer][0] for layer in proposer.hidden_layers}))
     chain = proposer.propose(ProposeContext(prompt + [root], 3, SamplingParams())).token_ids.tolist()
@@ -154,7 +156,7 @@ def test_eagle1_training_row_equals_the_first_draft_level(make_llama):
     proposer = EagleProposer(draft, target=target, k=1)
     sequence = torch.tensor([prompt + [root]])
     captured = capture(target, sequence, (-1,), True)
-    from draftsmith.proposers.base import TargetFeatures
+    from draftsmith.proposers.core.types import TargetFeatures
 
     proposer.begin(prompt, TargetFeatures({-1: captured.hidden[-1][0, :-1]}))
     _, root_logits = proposer._catch_up(prompt + [root])

@@ -7,8 +7,8 @@ import torch
 from heads import tiny_qwen2
 from transformers import DynamicCache
 
-import draftsmith.proposers.fused_layers as fused_layers
-from draftsmith.proposers.lean_forward import LeanForward, causal_mask
+import draftsmith.proposers.core.fused_layers as fused_layers
+from draftsmith.proposers.core.lean_forward import LeanForward, causal_mask
 
 
 def lean_steps(model, lean, ids):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from draftsmith.proposers.lean_forward import LeanForward, causal_mask
+from draftsmith.proposers.core.lean_forward import LeanForward, causal_mask
 
 
 def test_lean_steps_match_the_model_forward(model):

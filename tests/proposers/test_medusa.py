@@ -23,15 +23,17 @@ from safetensors.torch import load_file, save_file
 
 import draftsmith.verify.rejection as rejection
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.base import InputError, SamplingParams
-from draftsmith.proposers.medusa import MedusaHeads, MedusaProposer, load_heads, write_calibration
-from draftsmith.proposers.static_tree import (
+from draftsmith.proposers.core.errors import InputError
+from draftsmith.proposers.core.sampling import SamplingParams
+from draftsmith.proposers.core.static_tree import (
     cartesian_paths,
     expected_accepted_length,
     grow_tree_by_accuracy,
     grow_tree_by_frequency,
     static_tree,
 )
+from draftsmith.proposers.medusa import MedusaProposer
+from draftsmith.proposers.medusa_head import MedusaHeads, load_heads, write_calibration
 from draftsmith.training.medusa import MedusaObjective, path_counts
 from draftsmith.verify import SpeculativeDecoder
 
@@ -88,7 +90,7 @@ def test_drafts_are_the_heads_top_guesses_after_the_last_accepted_position(archi
     assert seen and all(seen)  # root + accepted rows arrived every step
     hidden = torch.randn(heads.hidden_size)
     proposer._hidden = hidden
-    from draftsmith.proposers.base import ProposeContext
+    from draftsmith.proposers.core.types import ProposeContext
 
     draft = proposer.propose(ProposeContext([1, 2], 8, SamplingParams()))
     with torch.no_grad():
@@ -103,7 +105,7 @@ def test_lean_forward_returns_the_models_hidden_states(make_llama):
     """The hidden states a proposer asks for equal ``output_hidden_states``, with the lean forward as without it."""
     from transformers import DynamicCache
 
-    from draftsmith.proposers.lean_forward import LeanForward
+    from draftsmith.proposers.core.lean_forward import LeanForward
 
     model = make_llama()
     lean = LeanForward.probe(model)
@@ -317,9 +319,9 @@ def test_a_checkpoint_with_missing_heads_is_refused(saved):
 
 def test_heads_for_another_target_are_refused(saved, make_llama):
     _, _, path = saved
-    with pytest.raises(InputError, match="hidden size 32, the target's is 64: they were trained for another target"):
+    with pytest.raises(InputError, match="Medusa heads trained for a target of hidden size 32, this target's is 64: they belong to another target"):
         MedusaProposer(path, target=make_llama(hidden_size=64))
-    with pytest.raises(InputError, match="score 128 tokens, the target's vocabulary has 200"):
+    with pytest.raises(InputError, match="trained for a target of vocabulary 128, this target's is 200"):
         MedusaProposer(path, target=make_llama(vocab_size=200))
 
 

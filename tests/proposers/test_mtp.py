@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 import draftsmith.verify.rejection as rejection
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.base import InputError, SamplingParams
+from draftsmith.proposers.core.errors import InputError
+from draftsmith.proposers.core.sampling import SamplingParams
 from draftsmith.proposers.mtp import MtpProposer
 from draftsmith.training.mtp import MtpObjective
 from draftsmith.verify import SpeculativeDecoder
@@ -123,9 +124,9 @@ def test_save_load_and_bad_checkpoints(targets, modules, make_llama, tmp_path):
         assert torch.equal(loaded.modules.state_dict()[name], tensor)
     with pytest.raises(InputError, match="deeper than the 3 MTP module"):
         load_proposer({"type": "mtp", "model": str(tmp_path / "mtp"), "k": 4}, target=target)
-    with pytest.raises(InputError, match="hidden size 32 do not fit this target's hidden size 16"):
+    with pytest.raises(InputError, match="MTP modules trained for a target of hidden size 32, this target's is 16"):
         load_proposer({"type": "mtp", "model": str(tmp_path / "mtp")}, target=make_llama(hidden_size=16))
-    with pytest.raises(InputError, match="vocabulary 128 do not fit this target's vocabulary 64"):
+    with pytest.raises(InputError, match="trained for a target of vocabulary 128, this target's is 64"):
         load_proposer({"type": "mtp", "model": str(tmp_path / "mtp")}, target=make_llama(vocab_size=64))
     with pytest.raises(InputError, match="recursive reuse drafts chains"):
         load_proposer({"type": "mtp", "model": str(tmp_path / "mtp"), "k": 4, "recursive": True, "tree_width": 2}, target=target)

@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.base import ProposeContext, SamplingParams
+from draftsmith.proposers.core.sampling import SamplingParams
+from draftsmith.proposers.core.types import ProposeContext
 from draftsmith.proposers.ngram import NgramProposer
 
 GREEDY = SamplingParams()
@@ -138,7 +139,7 @@ def test_export_is_vllms_ngram_config(tmp_path):
 
 
 def test_export_refuses_trees_other_formats_and_a_used_directory(tmp_path):
-    from draftsmith.proposers.base import InputError
+    from draftsmith.proposers.core.errors import InputError
 
     with pytest.raises(InputError, match="drafts a chain: export needs branches: 1, got branches: 3"):
         NgramProposer(branches=3, match="earliest", wrap=False).export(tmp_path / "a")

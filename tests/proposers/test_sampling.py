@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.proposers.base import SamplingParams, logits_to_probs
+from draftsmith.proposers.core.sampling import SamplingParams, logits_to_probs
 
 
 def test_greedy_is_point_mass_on_argmax():

@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from law import assert_follows_law, assert_law_rejects
 
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.base import InputError, ProposeContext, SamplingParams
+from draftsmith.proposers.core.errors import InputError
+from draftsmith.proposers.core.sampling import SamplingParams
+from draftsmith.proposers.core.types import ProposeContext
 from draftsmith.proposers.suffix import SuffixProposer, SuffixTrie
 from draftsmith.verify import SpeculativeDecoder
 

@@ -13,13 +13,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from draftsmith.proposers.base import Draft, SamplingParams, logits_to_probs
-from draftsmith.proposers.lean_forward import causal_mask
-from draftsmith.proposers.tree import (
+from draftsmith.proposers.core.cache import compact_cache, crop_cache
+from draftsmith.proposers.core.lean_forward import causal_mask
+from draftsmith.proposers.core.sampling import SamplingParams, logits_to_probs
+from draftsmith.proposers.core.tree import (
     best_nodes,
     children_lists,
-    compact_cache,
-    crop_cache,
     grow_dynamic_tree,
     incremental_tree_mask,
     keep_nodes,
@@ -29,6 +28,7 @@ from draftsmith.proposers.tree import (
     tree_attention_mask,
     tree_position_ids,
 )
+from draftsmith.proposers.core.types import Draft
 from draftsmith.verify.target import Target
 
 PARENTS = [-1, -1, 0, 0, 2, 1, -1]

@@ -7,9 +7,10 @@ import yaml
 from bad_input import assert_one_line_naming
 
 import draftsmith.training.train as train_module
-from draftsmith.proposers.base import InputError
+from draftsmith.proposers.core.errors import InputError
 from draftsmith.training.demo.run import run_demo
-from draftsmith.training.train import load_config, run
+from draftsmith.training.recipe import load_config
+from draftsmith.training.train import run
 from draftsmith.verify.evaluation.evaluate import EvalConfig, evaluate
 
 from tiny_recipe import REPO, recipe_overrides

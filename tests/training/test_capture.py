@@ -17,12 +17,14 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import draftsmith.training.capture as capture_module
-from draftsmith.proposers.config import ConfigError
-from draftsmith.training.capture import CapturedRows, Capturer, capture, capture_offline
+from draftsmith.proposers.core.errors import ConfigError
+from draftsmith.training.capture import CapturedRows, Capturer, capture
+from draftsmith.training.commands import capture_offline
 from draftsmith.training.data import build_dataset, make_loader
 from draftsmith.training.losses import forward_kl, top1_agreement
 from draftsmith.training.objective import OBJECTIVES
-from draftsmith.training.train import load_config, load_frozen_target, make_objective, run
+from draftsmith.training.recipe import load_config, make_objective
+from draftsmith.training.train import load_frozen_target, run
 
 from tiny_recipe import REPO, recipe_overrides
 

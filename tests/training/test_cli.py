@@ -38,7 +38,7 @@ def test_generate_text_output_and_errors(tiny_target_dir, tmp_path, capsys):
 def test_export_writes_the_engine_layout_and_prints_the_serve_line(tiny_target_dir, tmp_path, capsys):
     from safetensors.torch import load_file
 
-    from draftsmith.proposers.medusa import MedusaHeads
+    from draftsmith.proposers.medusa_head import MedusaHeads
     from draftsmith.verify import load_target
 
     target, _ = load_target(tiny_target_dir)
@@ -63,7 +63,7 @@ def test_export_writes_the_engine_layout_and_prints_the_serve_line(tiny_target_d
     composite = tmp_path / "composite.yaml"
     composite.write_text(yaml.safe_dump({"type": "composite", "proposers": [{"type": "ngram"}, {"type": "suffix"}]}))
     assert main(["export", "--proposer", str(composite), "--output", str(tmp_path / "c")]) == 2
-    assert "proposer type 'composite' has no engine export yet" in capsys.readouterr().err
+    assert "CompositeProposer has no engine export" in capsys.readouterr().err
     ngram = tmp_path / "ngram.yaml"  # a settings-only export: the engine's speculative_config
     ngram.write_text(yaml.safe_dump({"type": "ngram", "match": "earliest", "wrap": False}))
     assert main(["export", "--proposer", str(ngram), "--output", str(tmp_path / "n")]) == 0

@@ -9,11 +9,12 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.base import InputError
-from draftsmith.training.capture import capture_offline
+from draftsmith.proposers.core.errors import InputError
+from draftsmith.training.commands import capture_offline
 from draftsmith.training.data import build_dataset
 from draftsmith.training.eagle import ancestor_attention, most_frequent, token_frequencies
-from draftsmith.training.train import load_config, load_frozen_target, run
+from draftsmith.training.recipe import load_config
+from draftsmith.training.train import load_frozen_target, run
 from draftsmith.verify import SpeculativeDecoder, load_target
 
 from tiny_recipe import REPO, recipe_overrides

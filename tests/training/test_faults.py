@@ -1,7 +1,7 @@
 """Fault injection: SIGKILL while a checkpoint or the final export is being written loses nothing.
 
 A driver process trains the tiny recipe and kills itself with SIGKILL at the N-th Python
-line executed inside ``save_checkpoint`` or ``export_atomically`` (N drawn with a fixed
+line executed inside ``save_checkpoint`` or the final ``export`` (N drawn with a fixed
 seed from the lines those calls run, so the kill lands anywhere in them: in accelerate's
 ``save_state``, in safetensors, between the renames). After every kill:
 
@@ -25,12 +25,14 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from draftsmith.training.train import load_config, run
+from draftsmith.training.recipe import load_config
+from draftsmith.training.train import run
 
 from tiny_recipe import REPO, recipe_overrides
 
 DRIVER = r"""
 import json, os, signal, sys
+import draftsmith.training.loop as loop
 import draftsmith.training.train as train
 
 phase, kill_at = sys.argv[1], int(sys.argv[2])
@@ -57,8 +59,8 @@ def traced(function):
     return wrapper
 
 
-name = {"checkpoint": "save_checkpoint", "export": "export_atomically"}[phase]
-setattr(train, name, traced(getattr(train, name)))
+module, name = {"checkpoint": (loop, "save_checkpoint"), "export": (train, "export")}[phase]
+setattr(module, name, traced(getattr(module, name)))
 train.run(train.load_config(config, overrides))
 print(json.dumps({"lines": lines}))
 """

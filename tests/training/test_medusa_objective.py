@@ -9,12 +9,13 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.base import InputError
-from draftsmith.proposers.medusa import MedusaHeads, parse_path_counts
-from draftsmith.proposers.static_tree import grow_tree_by_frequency
+from draftsmith.proposers.core.errors import InputError
+from draftsmith.proposers.core.static_tree import grow_tree_by_frequency
+from draftsmith.proposers.medusa_head import MedusaHeads, parse_path_counts
 from draftsmith.training.capture import Captured
 from draftsmith.training.medusa import MedusaObjective, rank_accuracy
-from draftsmith.training.train import load_config, run
+from draftsmith.training.recipe import load_config
+from draftsmith.training.train import run
 from draftsmith.verify import SpeculativeDecoder, load_target
 
 from tiny_recipe import REPO, recipe_overrides
@@ -119,13 +120,13 @@ def test_pretrained_heads_for_another_target_are_refused(target_dir, text_file, 
     cfg = load_config(
         REPO / "recipes" / "medusa_demo.yaml", medusa_overrides(target_dir, text_file, tmp_path, f"draft.pretrained={tmp_path / 'other'}")
     )
-    with pytest.raises(InputError, match="hidden size 48, the target's is 32"):
+    with pytest.raises(InputError, match="hidden size 48, this target's is 32"):
         run(cfg)
 
 
 def test_calibrate_command_rewrites_the_calibration(target_dir, text_file, tmp_path):
-    """``python -m draftsmith.training.medusa``: heads from elsewhere (no calibration.json) get one from the held-out files."""
-    from draftsmith.training.medusa import calibrate
+    """``draftsmith calibrate``: heads from elsewhere (no calibration.json) get one from the held-out files."""
+    from draftsmith.training.commands import calibrate
 
     target, _ = load_target(target_dir)
     out = tmp_path / "out"

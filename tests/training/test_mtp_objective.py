@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.proposers import load_proposer
-from draftsmith.training.train import load_config, run
+from draftsmith.training.recipe import load_config
+from draftsmith.training.train import run
 from draftsmith.verify import SpeculativeDecoder, load_target
 
 from tiny_recipe import REPO, recipe_overrides

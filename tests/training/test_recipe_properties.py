@@ -12,9 +12,9 @@ from bad_input import ANY_VALUE, ODD_KEYS, assert_one_line_naming, yaml_text
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from draftsmith.proposers.base import InputError
+from draftsmith.proposers.core.errors import InputError
 from draftsmith.training.draft_lm import DraftInit, LoraSettings
-from draftsmith.training.train import TrainConfig, load_config
+from draftsmith.training.recipe import TrainConfig, load_config
 
 from tiny_recipe import REPO
 

@@ -24,7 +24,8 @@ from draftsmith.proposers import load_proposer
 from draftsmith.training.data import read_files, render_chat, self_distill
 from draftsmith.training.draft_lm import DraftLMObjective
 from draftsmith.training.losses import forward_kl, masked_mean, reverse_kl, top1_agreement, tvd
-from draftsmith.training.train import load_config, make_objective, run
+from draftsmith.training.recipe import load_config, make_objective
+from draftsmith.training.train import run
 
 from tiny_recipe import REPO, recipe_overrides
 

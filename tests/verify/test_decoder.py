@@ -10,15 +10,17 @@ import torch
 
 import draftsmith.verify.decoder as decoder_module
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.base import Draft, InputError, ProposeContext
-from draftsmith.proposers.cache import PreallocatedLayer
+from draftsmith.proposers.core.cache import PreallocatedLayer
+from draftsmith.proposers.core.errors import InputError
+from draftsmith.proposers.core.proposer import ProposerBase
+from draftsmith.proposers.core.types import Draft, ProposeContext
 from draftsmith.verify import SpeculativeDecoder
 from draftsmith.verify.target import Target, load_target
 
 MAX_NEW = 48
 
 
-class ScriptedProposer:
+class ScriptedProposer(ProposerBase):
     """Test proposer: builds drafts from a function of the context (oracle, random, trees)."""
 
     hidden_layers = ()

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.base import InputError, SamplingParams
+from draftsmith.proposers.core.errors import InputError
+from draftsmith.proposers.core.sampling import SamplingParams
 from draftsmith.verify import SpeculativeDecoder
 
 PROMPT = torch.tensor([[5, 9, 17, 33, 5, 9, 17, 60]])

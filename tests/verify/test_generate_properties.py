@@ -8,7 +8,7 @@ from bad_input import ANY_VALUE, assert_one_line_naming
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from draftsmith.proposers.base import InputError
+from draftsmith.proposers.core.errors import InputError
 from draftsmith.proposers.ngram import NgramProposer
 from draftsmith.verify import SpeculativeDecoder
 

@@ -18,7 +18,9 @@ import pytest
 import torch
 
 import draftsmith.verify.rejection as rejection
-from draftsmith.proposers.base import Draft, ProposeContext, SamplingParams, logits_to_probs
+from draftsmith.proposers.core.proposer import ProposerBase
+from draftsmith.proposers.core.sampling import SamplingParams, logits_to_probs
+from draftsmith.proposers.core.types import Draft, ProposeContext
 from draftsmith.proposers.ngram import NgramProposer
 from draftsmith.verify import SpeculativeDecoder
 
@@ -28,7 +30,7 @@ SAMPLING = dict(temperature=0.8, top_k=6, top_p=1.0)
 PROMPT = torch.tensor([[1, 5, 3, 6]])
 
 
-class RandomTreeProposer:
+class RandomTreeProposer(ProposerBase):
     """Samples a 2-wide, 2-deep tree from a fixed random bigram table, reporting draft_probs."""
 
     hidden_layers = ()

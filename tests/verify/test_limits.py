@@ -22,9 +22,9 @@ from transformers import (
 )
 
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.base import InputError
+from draftsmith.proposers.core.errors import InputError
+from draftsmith.proposers.core.models import context_limit
 from draftsmith.proposers.draft_model import DraftModelProposer
-from draftsmith.proposers.models import context_limit
 from draftsmith.verify import SpeculativeDecoder
 from draftsmith.verify.target import Target
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import draftsmith.verify.rejection as rejection
-from draftsmith.proposers.base import Draft, SamplingParams, logits_to_probs
+from draftsmith.proposers.core.sampling import SamplingParams, logits_to_probs
+from draftsmith.proposers.core.types import Draft
 from draftsmith.verify.rejection import greedy_accept, rejection_sample, residual_distribution, speculative_sample
 
 V = 8

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from draftsmith.proposers.base import InputError
+from draftsmith.proposers.core.errors import InputError
 
 DOMAINS = ("code", "prose")
 SPLITS = ("train", "heldout")

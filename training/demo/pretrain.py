@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -35,11 +34,11 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
-from draftsmith.proposers.base import InputError
-from draftsmith.proposers.config import ConfigError, build, check_writable, load
+from draftsmith.proposers.core.config import build, load
+from draftsmith.proposers.core.errors import ConfigError, InputError
+from draftsmith.proposers.core.files import atomic_directory, atomic_file, check_writable
 from draftsmith.training.common import (
     config_hash,
-    export_atomically,
     make_adamw,
     multi_process_cpu,
     plot_curve,
@@ -50,7 +49,8 @@ from draftsmith.training.common import (
 from draftsmith.training.data import make_loader
 from draftsmith.training.demo.corpus import DOMAINS, SPLITS, Document, collect_corpus
 from draftsmith.training.demo.tokenizer import build_tokenizer
-from draftsmith.training.train import LoopConfig, fit, make_accelerator
+from draftsmith.training.loop import fit, make_accelerator
+from draftsmith.training.recipe import LoopConfig
 
 
 @dataclass
@@ -127,11 +127,10 @@ def build_corpus(cfg: PretrainConfig, work: Path) -> Path:
     out = work / f"corpus-{stage_hash(cfg, CORPUS_KEYS)}"
     if not (out / "manifest.json").exists():
         write_corpus(cfg, out)
-    link, partial = work / "corpus", work / ".corpus.link"
+    link = work / "corpus"
     if not link.is_symlink() or link.readlink() != Path(out.name):
-        partial.unlink(missing_ok=True)
-        partial.symlink_to(out.name)
-        os.replace(partial, link)  # atomic: readers see the old link or the new one
+        with atomic_file(link) as partial:  # readers see the old link or the new one
+            partial.symlink_to(out.name)
     return out
 
 
@@ -165,9 +164,8 @@ def build_tokenizer_stage(cfg: PretrainConfig, corpus_dir: Path, work: Path) -> 
     out = work / f"tokenizer-{stage_hash(cfg, TOKENIZER_KEYS)}"
     if not out.exists():
         texts = [doc.text for domain in DOMAINS for doc in read_documents(corpus_dir, domain, "train")]
-        partial = out.with_name(out.name + ".partial")  # renamed when complete
-        build_tokenizer(texts, cfg.vocab_size, cfg.block_size, partial)
-        partial.rename(out)
+        with atomic_directory(out) as partial:  # renamed when complete
+            build_tokenizer(texts, cfg.vocab_size, cfg.block_size, partial)
     return out
 
 
@@ -309,8 +307,7 @@ def train(cfg: PretrainConfig, tokens_dir: Path, tokenizer, run_dir: Path, inter
 
 def export(cfg: PretrainConfig, model, tokenizer, curve: list[dict], tokens_dir: Path) -> Path:
     """Write the shipped directory atomically; held-out loss is measured on the saved weights, loaded in fp32."""
-
-    def write(out: Path) -> None:
+    with atomic_directory(cfg.output_dir) as out:
         model.generation_config = GenerationConfig(
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
         )
@@ -323,8 +320,7 @@ def export(cfg: PretrainConfig, model, tokenizer, curve: list[dict], tokens_dir:
         shipped = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
         losses = heldout_loss(shipped, load_streams(tokens_dir, "heldout"), cfg.block_size)
         (out / "heldout_loss.json").write_text(json.dumps(losses, indent=1) + "\n")
-
-    return export_atomically(Path(cfg.output_dir), write)
+    return Path(cfg.output_dir)
 
 
 def is_exported(cfg: PretrainConfig) -> bool:

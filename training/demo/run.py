@@ -37,8 +37,8 @@ from pathlib import Path
 
 import yaml
 
-from draftsmith.proposers.base import InputError
-from draftsmith.proposers.config import check_writable
+from draftsmith.proposers.core.errors import InputError
+from draftsmith.proposers.core.files import check_writable
 from draftsmith.training.demo import pretrain
 from draftsmith.training.demo.corpus import Document
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.proposers.base import InputError
-from draftsmith.proposers.config import read_text
+from draftsmith.proposers.core.errors import InputError
+from draftsmith.proposers.core.files import read_text
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,11 @@ domain:
 - tokens/s of both, and the engine's plain outputs against draftsmith's (greedy ties may
   break differently in another engine's kernels, so that is reported, not required).
 
-Controls: an EAGLE-3 export with ``d2t`` removed, and one without its aux-layer-id fields
-when its ids are not the engine's default, are written by hand and run too. The engine
-loads both without a word. Without ``d2t`` it must accept near nothing (checked: the draft
-ids land on the wrong target tokens); without the ids it feeds the head its default layers
-instead of the trained ones, reported with no verdict (how much that costs depends on how
-alike those layers are). ``export`` refuses both.
+Controls: every proposer may hand over incomplete copies of its export that the engine
+loads without a word (``Proposer.export_controls``; EAGLE-3's: without ``d2t``, and without
+its aux-layer ids), which run too. A control marked ``accepts_near_nothing`` must make the
+engine accept near nothing (checked); the others' gain is reported with no verdict.
+``export`` refuses them all.
 
 The engine lives in its own venv (``engine.venv``, created on first use and reused while its
 requirements are unchanged): vLLM's CPU build pins a transformers older than draftsmith's.
@@ -38,13 +37,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.base import InputError
-from draftsmith.proposers.config import build, check_writable, load, write_text_atomic
-from draftsmith.proposers.engine import CONFIG, WEIGHTS, EngineExport
-from draftsmith.proposers.models import context_limit
+from draftsmith.proposers.core.config import build, load
+from draftsmith.proposers.core.errors import InputError
+from draftsmith.proposers.core.files import check_writable, write_text_atomic
+from draftsmith.proposers.core.models import context_limit
 
 from ..decoder import SpeculativeDecoder
 from ..target import load_target
@@ -53,9 +51,7 @@ from .evaluate import PLAIN, DomainFile, EvalConfig, evaluate, load_prompts
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 MARKER = ".draftsmith-engine.json"  # in the venv: the requirements it was built from
-ENGINE_DEFAULT_AUX = "engine default aux layers"  # vLLM's own choice when a checkpoint names none: [2, N // 2, N - 3]
 NEAR_NOTHING = 0.25  # a control "accepts near nothing" when its gain (length - 1) is at most this share of the full export's
-NO_D2T, NO_AUX_IDS = "no d2t", "no aux ids"  # the controls; only the first must accept near nothing
 
 
 class EngineUnavailable(RuntimeError):
@@ -187,45 +183,6 @@ def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-# --- controls ------------------------------------------------------------------------
-
-
-def incomplete_controls(name: str, export: EngineExport, target_layers: int, work: Path) -> dict[str, EngineExport]:
-    """Hand-made incomplete copies of an EAGLE-3 export: without ``d2t`` (when it maps a reduced vocabulary: all-zero
-    offsets are the identity an engine assumes anyway); without the aux-id fields (when not the engine's default)."""
-    config = json.loads((export.path / CONFIG).read_text()) if (export.path / CONFIG).is_file() else {}
-    if "eagle_config" not in config:
-        return {}
-    d2t = load_file(str(export.path / WEIGHTS)).get("d2t")
-    controls = {}
-
-    def copy(label: str, edit_config=None, drop: str | None = None) -> None:
-        directory = work / f"{name}-{label.replace(' ', '-')}"
-        shutil.rmtree(directory, ignore_errors=True)
-        shutil.copytree(export.path, directory)
-        if drop is not None:
-            tensors = load_file(str(directory / WEIGHTS))
-            tensors.pop(drop)
-            save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
-        if edit_config is not None:
-            (directory / CONFIG).write_text(json.dumps(edit_config(dict(config)), indent=1))
-        spec = dict(export.speculative_config, model=str(directory))
-        controls[f"{name} ({label})"] = EngineExport(directory, export.format, spec)
-
-    if d2t is not None and bool(d2t.any()):
-        copy(NO_D2T, drop="d2t")
-    engine_default = [2, target_layers // 2, target_layers - 3]
-    if config["eagle_aux_hidden_state_layer_ids"] != engine_default:
-
-        def without_ids(values: dict) -> dict:
-            values.pop("eagle_aux_hidden_state_layer_ids")
-            values["eagle_config"] = {k: v for k, v in values["eagle_config"].items() if k != "eagle_aux_hidden_state_layer_ids"}
-            return values
-
-        copy(NO_AUX_IDS, edit_config=without_ids)
-    return controls
-
-
 # --- the check -----------------------------------------------------------------------
 
 
@@ -242,11 +199,11 @@ def engine_check(config: EngineCheckConfig, progress: bool = True) -> dict[str, 
     exports, controls = {}, {}
     for name, proposer_config in config.proposers.items():
         proposer = load_proposer(proposer_config, target=model, tokenizer=tokenizer)
-        if getattr(proposer, "export", None) is None:
-            raise InputError(f"proposer {name!r} (type {proposer_config.get('type')!r}) has no engine export")
         exports[name] = proposer.export(exports_dir / name, format="vllm")
         if config.controls:
-            controls.update(incomplete_controls(name, exports[name], model.config.num_hidden_layers, out / "controls"))
+            (out / "controls").mkdir(parents=True, exist_ok=True)
+            for control in proposer.export_controls(exports[name], out / "controls"):
+                controls[f"{name} ({control.label})"] = control
     ours = evaluate(
         EvalConfig(
             target=config.target,
@@ -271,7 +228,8 @@ def engine_check(config: EngineCheckConfig, progress: bool = True) -> dict[str, 
     logs = out / "engine"
     logs.mkdir(parents=True, exist_ok=True)
     engine = {}
-    for name, export in {PLAIN: None, **exports, **controls}.items():
+    served_exports = {**exports, **{name: control.export for name, control in controls.items()}}
+    for name, export in {PLAIN: None, **served_exports}.items():
         if progress:
             print(f"engine: {name}", file=sys.stderr)
         served = {"speculative_config": export.speculative_config} if export else {"speculative_config": None}
@@ -281,7 +239,7 @@ def engine_check(config: EngineCheckConfig, progress: bool = True) -> dict[str, 
     rows = compare(config, prompts, plain_tokens, engine, ours["rows"], controls)
     summary = {
         "config": asdict(config),
-        "exports": {name: {"path": str(e.path), "speculative_config": e.speculative_config} for name, e in {**exports, **controls}.items()},
+        "exports": {name: {"path": str(e.path), "speculative_config": e.speculative_config} for name, e in served_exports.items()},
         "rows": rows,
         "passed": all(row["passed"] is not False for row in rows),
     }
@@ -346,10 +304,10 @@ def _verdict(row: dict, method: str, lengths: dict, controls: dict, tolerance: f
     if done != total:
         return False
     if method in controls:
-        name, label = method[:-1].split(" (")
+        name = method[: -len(f" ({controls[method].label})")]
         full, length = lengths.get(name), row["engine_acceptance_length"] or 1.0
         row["control_of_full"] = (length - 1.0) / (full - 1.0) if full and full > 1.0 else None  # its gain over the full export's
-        if label != NO_D2T:
+        if not controls[method].accepts_near_nothing:
             return None  # reported only
         row["control_accepts_near_nothing"] = full is not None and length - 1.0 <= NEAR_NOTHING * (full - 1.0)
         return row["control_accepts_near_nothing"]

@@ -21,9 +21,12 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.base import InputError, SamplingParams, TransformersPeer
-from draftsmith.proposers.config import build, check_writable, load
-from draftsmith.proposers.models import context_limit
+from draftsmith.proposers.core.config import build, load
+from draftsmith.proposers.core.errors import InputError
+from draftsmith.proposers.core.files import check_writable
+from draftsmith.proposers.core.models import context_limit
+from draftsmith.proposers.core.sampling import SamplingParams
+from draftsmith.proposers.core.types import TransformersPeer
 
 from ..decoder import SpeculativeDecoder
 from ..stats import DecodeStats
@@ -156,9 +159,7 @@ def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
     for run in methods.values():  # warm-up, untimed: the first call of each path pays one-off costs
         run(prompts[0], 0)
     for proposer in proposers:  # what a proposer learns across requests starts from the evaluated ones
-        reset = getattr(proposer, "reset", None)
-        if reset is not None:
-            reset()
+        proposer.reset()
     records, stats = [], {}
     bar = tqdm(total=len(prompts) * len(methods), desc="eval", disable=not progress)
     for index, prompt in enumerate(prompts):
@@ -200,7 +201,7 @@ def build_methods(config: EvalConfig, model, tokenizer) -> tuple[dict[str, Calla
     """Row name -> fn(prompt, index) -> (new tokens, Record, DecodeStats | None), and the proposers built.
 
     Plain decoding first, then every proposer, then the transformers peers they declare
-    (with ``config.peers``); a proposer without ``transformers_peer`` has none.
+    (with ``config.peers``); ``transformers_peer`` returns None for a proposer that has none.
     """
     methods = {PLAIN: _ours(SpeculativeDecoder(model, compile_forward=config.compile), PLAIN, config, tokenizer)}
     peers: dict[str, TransformersPeer] = {}
@@ -209,8 +210,7 @@ def build_methods(config: EvalConfig, model, tokenizer) -> tuple[dict[str, Calla
         proposer = load_proposer(proposer_config, target=model, tokenizer=tokenizer)
         proposers.append(proposer)
         methods[name] = _ours(SpeculativeDecoder(model, proposer, compile_forward=config.compile), name, config, tokenizer)
-        declare = getattr(proposer, "transformers_peer", None)
-        peer = declare() if config.peers and declare is not None else None
+        peer = proposer.transformers_peer() if config.peers else None
         if peer is not None:
             peers[f"{peer.name}[{name}]"] = peer
     # The hook costs every forward a Python call, ours included: only install it for peers.

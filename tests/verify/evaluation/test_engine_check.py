@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 import draftsmith.verify.evaluation.engine_check as ec
-from draftsmith.proposers.base import InputError
+from draftsmith.proposers.core.engine import ExportControl
+from draftsmith.proposers.core.errors import InputError
 from draftsmith.proposers.eagle import EagleProposer
 from draftsmith.proposers.eagle_head import config_for_target, draft_for_target
 from draftsmith.verify.evaluation.domains import Prompt
@@ -37,7 +38,9 @@ CONFIG = ec.EngineCheckConfig(target="t", domains={"code": "c.jsonl"}, proposers
 
 
 def rows_by_method(engine, ours, controls=()):
-    rows = ec.compare(CONFIG, prompts(), [[5, 6], [7, 8]], engine, ours, dict.fromkeys(controls))
+    """``controls``: row names ``"<row> (<label>)"``; the one labelled ``no d2t`` must accept near nothing, as EAGLE-3 says."""
+    made = {name: ExportControl(name[name.index("(") + 1 : -1], None, name.endswith("(no d2t)")) for name in controls}
+    rows = ec.compare(CONFIG, prompts(), [[5, 6], [7, 8]], engine, ours, made)
     return {r["method"]: r for r in rows}
 
 
@@ -72,28 +75,32 @@ def test_a_control_passes_only_when_it_accepts_near_nothing():
     assert "gain 75% of the full export's" in ec.engine_table(list(ids.values()))
 
 
-def eagle3_export(target, aux, path, draft_vocab_size=96):
+def eagle3_controls(target, aux, path, work, draft_vocab_size=96):
+    """An EAGLE-3 head's export and its controls (``EagleProposer.export_controls``), by label."""
     torch.manual_seed(0)
     draft = draft_for_target(config_for_target(target, 3, aux_layers=list(aux), draft_vocab_size=draft_vocab_size), target)
     draft.set_vocabulary(torch.randperm(128, generator=torch.Generator().manual_seed(1))[:draft_vocab_size])
-    return EagleProposer(draft, target=target, k=4).export(path)
+    proposer = EagleProposer(draft, target=target, k=4)
+    work.mkdir(parents=True)
+    return {control.label: control for control in proposer.export_controls(proposer.export(path), work)}
 
 
 def test_controls_drop_d2t_and_the_aux_ids_unless_they_are_the_engines_default(make_llama, tmp_path):
     six = make_llama(layers=6, seed=7)
-    controls = ec.incomplete_controls("e3", eagle3_export(six, (2, 3, 5), tmp_path / "a"), 6, tmp_path / "controls")
-    assert sorted(controls) == ["e3 (no aux ids)", "e3 (no d2t)"]
-    no_d2t = controls["e3 (no d2t)"].path
+    controls = eagle3_controls(six, (2, 3, 5), tmp_path / "e3", tmp_path / "controls")
+    assert sorted(controls) == ["no aux ids", "no d2t"]
+    assert controls["no d2t"].accepts_near_nothing and not controls["no aux ids"].accepts_near_nothing
+    no_d2t = controls["no d2t"].export.path
     assert "d2t" not in load_file(str(no_d2t / "model.safetensors")) and "t2d" in load_file(str(no_d2t / "model.safetensors"))
-    no_ids = json.loads((controls["e3 (no aux ids)"].path / "config.json").read_text())
+    no_ids = json.loads((controls["no aux ids"].export.path / "config.json").read_text())
     assert "eagle_aux_hidden_state_layer_ids" not in no_ids and "eagle_aux_hidden_state_layer_ids" not in no_ids["eagle_config"]
-    assert controls["e3 (no d2t)"].speculative_config["model"] == str(no_d2t)
-    assert "d2t" in load_file(str(tmp_path / "a" / "model.safetensors"))  # the real export is untouched
+    assert controls["no d2t"].export.speculative_config["model"] == str(no_d2t)
+    assert "d2t" in load_file(str(tmp_path / "e3" / "model.safetensors"))  # the real export is untouched
     eight = make_llama(layers=8, seed=7)
-    default = ec.incomplete_controls("e3", eagle3_export(eight, (2, 4, 5), tmp_path / "b"), 8, tmp_path / "controls8")
-    assert sorted(default) == ["e3 (no d2t)"]  # without the fields the engine reads [2, 4, 5] anyway
-    full = eagle3_export(six, (2, 3, 5), tmp_path / "c", draft_vocab_size=128)  # d2t all zeros: the identity
-    assert sorted(ec.incomplete_controls("e3", full, 6, tmp_path / "controls_full")) == ["e3 (no aux ids)"]
+    default = eagle3_controls(eight, (2, 4, 5), tmp_path / "e3_8", tmp_path / "controls8")
+    assert sorted(default) == ["no d2t"]  # without the fields the engine reads [2, 4, 5] anyway
+    full = eagle3_controls(six, (2, 3, 5), tmp_path / "e3_full", tmp_path / "controls_full", draft_vocab_size=128)
+    assert sorted(full) == ["no aux ids"]  # d2t all zeros: the identity
 
 
 def test_a_failed_install_raises_with_the_log_and_a_built_venv_is_reused(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ from bad_input import ANY_VALUE, ODD_KEYS, assert_one_line_naming
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from draftsmith.proposers.base import InputError
+from draftsmith.proposers.core.errors import InputError
 from draftsmith.verify.evaluation.domains import load_domain
 from draftsmith.verify.evaluation.evaluate import EvalConfig
 

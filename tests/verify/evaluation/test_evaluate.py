@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from draftsmith.proposers import load_proposer
-from draftsmith.proposers.base import Draft
+from draftsmith.proposers.core.proposer import ProposerBase
+from draftsmith.proposers.core.types import Draft
 from draftsmith.training.cli import main
 from draftsmith.verify.evaluation.domains import load_domain
 from draftsmith.verify.evaluation.evaluate import DomainFile, EvalConfig, build_methods, evaluate
@@ -67,8 +68,8 @@ def test_eval_writes_every_output_with_the_right_fields(tiny_target_dir, domain_
     assert "| code | ngram |" in (out / "table.md").read_text()
 
 
-class PeerlessProposer:
-    """A proposer written before ``transformers_peer`` existed: it declares no peer."""
+class PeerlessProposer(ProposerBase):
+    """A proposer that declares no peer: ``ProposerBase.transformers_peer`` says None."""
 
     hidden_layers = ()
 

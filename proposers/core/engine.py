@@ -1,4 +1,4 @@
-"""Checkpoints of trained heads: read and checked whole, and written in a serving engine's layout.
+"""Exports: trained heads written in a serving engine's layout, read back and checked whole.
 
 Engines load what they find and zero-fill or skip the rest without a word, so an export
 is read back and compared tensor by tensor (names, shapes, dtypes, values) and field by
@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from .base import InputError
-from .config import write_text_atomic
+from .checkpoint import CONFIG, WEIGHTS
+from .errors import InputError
+from .files import atomic_directory, write_text_atomic
 
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
 SPEC_FILE = "speculative_config.json"  # written by every export: what the engine's speculative_config gets
 
 
@@ -71,17 +70,9 @@ def write_export(
     ``out_dir`` must be new or empty; a failed write or check leaves it untouched.
     """
     out_dir = _new_or_empty(out_dir)
-    staging = out_dir.with_name(f".{out_dir.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
+    with atomic_directory(out_dir) as staging:
         write(staging)
         check_written(staging, expected, fields)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if out_dir.exists():
-        out_dir.rmdir()
-    staging.rename(out_dir)
     return out_dir
 
 
@@ -122,14 +113,33 @@ def check_written(directory: Path, expected: Mapping[str, torch.Tensor], fields:
             raise InputError(f"exported weights {directory / WEIGHTS}: {name} differs from the trained tensor")
 
 
-def check_tensors(file: Path, found: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], what: str) -> None:
-    """Raise InputError naming ``file`` unless ``found`` holds exactly the tensors of ``expected``, each with its shape."""
-    missing = [name for name in expected if name not in found]
-    if missing:
-        raise InputError(f"{what} weights {file} miss {missing[:4]}")
-    unexpected = sorted(name for name in found if name not in expected)
-    if unexpected:
-        raise InputError(f"{what} weights {file} hold tensors this {what} has not: {unexpected[:4]}")
-    for name, tensor in expected.items():
-        if found[name].shape != tensor.shape:
-            raise InputError(f"{what} weights {file}: {name} has shape {tuple(found[name].shape)}, expected {tuple(tensor.shape)}")
+@dataclass(frozen=True)
+class ExportControl:
+    """A hand-made incomplete copy of an export, which an engine loads without a word (``Proposer.export_controls``).
+
+    Args:
+        label: what is missing (``"no d2t"``), named in the engine check's table.
+        export: the copy, served like the export it was made from.
+        accepts_near_nothing: whether the engine must then accept near nothing (checked), or
+            the gain is only reported (a loss whose size depends on the model).
+    """
+
+    label: str
+    export: EngineExport
+    accepts_near_nothing: bool
+
+
+def incomplete_copy(
+    export: EngineExport, directory: Path, drop: str | None = None, edit_config: Callable[[dict], dict] | None = None
+) -> EngineExport:
+    """A copy of ``export`` in ``directory`` without the tensor ``drop`` and/or with ``config.json`` edited, served the same way."""
+    shutil.rmtree(directory, ignore_errors=True)
+    shutil.copytree(export.path, directory)
+    if drop is not None:
+        tensors = load_file(str(directory / WEIGHTS))
+        tensors.pop(drop)
+        save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
+    if edit_config is not None:
+        config = json.loads((directory / CONFIG).read_text())
+        (directory / CONFIG).write_text(json.dumps(edit_config(config), indent=1))
+    return EngineExport(directory, export.format, dict(export.speculative_config, model=str(directory)))

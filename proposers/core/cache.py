@@ -23,10 +23,13 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .tree import compact_cache, crop_cache, tree_attention_mask, tree_position_ids
+from .tree import tree_attention_mask, tree_position_ids
 
 logger = logging.getLogger(__name__)
 PROBE_TOKENS = 8
+#: Positions preallocated beyond what a request is known to need (its prompt, or prompt and output), for
+#: draft nodes and, in a draft's own cache, the output; more grows the buffer (one copy, doubled).
+CACHE_HEADROOM = 256
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -123,6 +126,37 @@ class PreallocatedLayer(DynamicLayer):
         self.key_buffer = self.value_buffer = None
         self.length = 0
         super().reset()
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first ``length`` positions of every layer of a ``transformers.DynamicCache``."""
+    for layer in cache.layers:
+        if hasattr(layer, "truncate"):  # a preallocated layer keeps its own length
+            layer.truncate(length)
+        elif layer.keys is not None and layer.keys.shape[-2] > length:
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
+
+
+def compact_cache(cache, prefix_len: int, kept: list[int]) -> None:
+    """Keep the first ``prefix_len`` positions of a ``DynamicCache``, then the positions ``kept``, in that order.
+
+    This drops the KV of a tree's rejected nodes. When ``kept`` directly continues the
+    prefix it is a crop (views, no copy); otherwise one ``index_select`` per layer.
+    """
+    if kept == list(range(prefix_len, prefix_len + len(kept))):
+        crop_cache(cache, prefix_len + len(kept))
+        return
+    device = cache.layers[0].keys.device
+    keep = None
+    for layer in cache.layers:
+        if hasattr(layer, "compact"):  # a preallocated layer moves the kept entries down in place
+            layer.compact(prefix_len, kept)
+            continue
+        if keep is None:
+            keep = torch.cat([torch.arange(prefix_len), torch.tensor(kept, dtype=torch.long)]).to(device)
+        layer.keys = layer.keys.index_select(-2, keep)
+        layer.values = layer.values.index_select(-2, keep)
 
 
 def fast_path_enabled(choice: bool | None) -> bool:

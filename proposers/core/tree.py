@@ -6,8 +6,8 @@
   from one ancestor computation (``node_paths``);
 - the dynamic tree builder of EAGLE-2 (Li et al. 2024), with siblings either the top-k
   tokens or sampled without replacement (Jeon et al. 2024);
-- (static trees of rank paths, Medusa's ``medusa_choices``, are in ``proposers.static_tree``);
-- KV-cache helpers that roll a ``transformers.DynamicCache`` back to an accepted path.
+- (static trees of rank paths, Medusa's ``medusa_choices``, are in ``core.static_tree``; the
+  KV-cache helpers that roll a cache back to an accepted path, in ``core.cache``).
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import Draft, SamplingParams, logits_to_probs
-
-MIN_SIBLING_MASS = 1e-6  # stop drawing siblings when less draft mass than this is left
+from .sampling import SamplingParams, sampled_children, top_k_rows
+from .types import Draft
 
 # -- structure -------------------------------------------------------------------------
 
@@ -348,48 +347,6 @@ def grow_dynamic_tree(
     return GrownTree(tree.to_draft(keep), max((tree.depths[i] for i in keep), default=0), keep)
 
 
-def top_k_rows(logits: torch.Tensor, count: int) -> tuple[list[list[int]], list[list[float]]]:
-    """The ``count`` most likely tokens of each row of ``logits`` ``[rows, vocab]`` and their raw softmax probabilities.
-
-    Deterministic children (point masses for the verifier): scores and confidences use the
-    raw softmax at any temperature, as in EAGLE-2 (a processed greedy distribution is a
-    point mass); which deterministic children are proposed never affects what is lossless.
-    """
-    probs = torch.softmax(logits.float(), dim=-1)
-    values, indices = torch.topk(probs, min(count, probs.shape[-1]), dim=-1)
-    return indices.tolist(), values.tolist()
-
-
-def sampled_children(
-    logits: torch.Tensor, count: int, sampling: SamplingParams, generator: torch.Generator | None
-) -> tuple[list[int], list[float], list[torch.Tensor]]:
-    """Up to ``count`` distinct tokens drawn from the processed ``logits`` ``[vocab]``: tokens, draft probabilities, rows."""
-    probs = logits_to_probs(logits, sampling)
-    picks = sample_without_replacement(probs, count, generator)
-    tokens = [token for token, _ in picks]
-    return tokens, [float(probs[token]) for token in tokens], [row for _, row in picks]  # a list index costs more for 1-3 tokens
-
-
-def sample_without_replacement(probs: torch.Tensor, count: int, generator: torch.Generator | None) -> list[tuple[int, torch.Tensor]]:
-    """Draw up to ``count`` distinct tokens from ``probs`` ``[vocab]``; pair each with the law it was drawn from.
-
-    Sibling i is drawn from ``probs`` with the earlier siblings' tokens zeroed and the rest
-    renormalised (Jeon et al. 2024); the verifier needs exactly that row (the Draft contract).
-    """
-    remaining = probs.clone()
-    picks = []
-    for _ in range(count):
-        mass = float(remaining.sum())
-        if mass < MIN_SIBLING_MASS:  # a stopping rule on earlier siblings only: the law stays exact
-            break
-        row = remaining / mass
-        token = int(torch.multinomial(row, 1, generator=generator))
-        picks.append((token, row))
-        remaining = remaining.clone()
-        remaining[token] = 0.0
-    return picks
-
-
 def expandable_leaves(tree: DraftTree, frontier: list[int], width: int, confidence_threshold: float | None) -> list[int]:
     """The ``width`` leaves of ``frontier`` with the best cumulative log-prob, confident ones only."""
     # A low-confidence token stays in the draft and only loses its children: dropping it
@@ -417,37 +374,3 @@ def _budget_is_settled(tree: DraftTree, leaves: list[int], max_nodes: int) -> bo
     if len(tree) < max_nodes:
         return False
     return sorted(tree.scores, reverse=True)[max_nodes - 1] >= max(tree.scores[n] for n in leaves)
-
-
-# -- KV cache ------------------------------------------------------------------------------
-
-
-def crop_cache(cache, length: int) -> None:
-    """Keep the first ``length`` positions of every layer of a ``transformers.DynamicCache``."""
-    for layer in cache.layers:
-        if hasattr(layer, "truncate"):  # a preallocated layer keeps its own length
-            layer.truncate(length)
-        elif layer.keys is not None and layer.keys.shape[-2] > length:
-            layer.keys = layer.keys[..., :length, :]
-            layer.values = layer.values[..., :length, :]
-
-
-def compact_cache(cache, prefix_len: int, kept: list[int]) -> None:
-    """Keep the first ``prefix_len`` positions of a ``DynamicCache``, then the positions ``kept``, in that order.
-
-    This drops the KV of a tree's rejected nodes. When ``kept`` directly continues the
-    prefix it is a crop (views, no copy); otherwise one ``index_select`` per layer.
-    """
-    if kept == list(range(prefix_len, prefix_len + len(kept))):
-        crop_cache(cache, prefix_len + len(kept))
-        return
-    device = cache.layers[0].keys.device
-    keep = None
-    for layer in cache.layers:
-        if hasattr(layer, "compact"):  # a preallocated layer moves the kept entries down in place
-            layer.compact(prefix_len, kept)
-            continue
-        if keep is None:
-            keep = torch.cat([torch.arange(prefix_len), torch.tensor(kept, dtype=torch.long)]).to(device)
-        layer.keys = layer.keys.index_select(-2, keep)
-        layer.values = layer.values.index_select(-2, keep)

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .base import InputError
+from .errors import InputError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 POSITION_KEYS = ("max_position_embeddings", "n_positions")  # where configs state their positions (GPT-2: n_positions)
@@ -86,6 +86,12 @@ def _first_line(error: BaseException, limit: int = 200) -> str:
     lines = str(error).strip().splitlines()
     line = lines[0] if lines else type(error).__name__
     return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def output_vocab_size(model: torch.nn.Module) -> int:
+    """Rows of a causal LM's output embedding: the token ids its logits range over."""
+    head = model.get_output_embeddings()
+    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
 
 
 def saved_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

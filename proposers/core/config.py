@@ -8,7 +8,7 @@ with the list of valid ones, a missing required key fails, and a value of the wr
 fails, each in one line that names the key. ``key=value`` / ``section.key=value``
 overrides apply on top of a file (values parsed as YAML).
 
-It lives in the bottom layer so that ``proposers``, ``verify`` and ``training`` all use it.
+It lives in the shared runtime so that the proposers, ``verify`` and ``training`` all use it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import os
 import types
 import typing
 from collections.abc import Mapping
@@ -25,40 +24,8 @@ from typing import Any, Literal
 
 import yaml
 
-from .base import InputError, Proposer
-
-
-class ConfigError(InputError):
-    """A config that cannot be used as given; the message is one line naming the key or file."""
-
-
-#: proposer type name -> "module:Class"; the class's constructor is the config's schema.
-REGISTRY: dict[str, str] = {
-    "ngram": "draftsmith.proposers.ngram:NgramProposer",
-    "draft_model": "draftsmith.proposers.draft_model:DraftModelProposer",
-    "medusa": "draftsmith.proposers.medusa:MedusaProposer",
-    "eagle": "draftsmith.proposers.eagle:EagleProposer",
-    "mtp": "draftsmith.proposers.mtp:MtpProposer",
-    "suffix": "draftsmith.proposers.suffix:SuffixProposer",
-    "composite": "draftsmith.proposers.composite:CompositeProposer",
-}
-
-
-def load_proposer(config: Mapping[str, Any] | str | Path, target=None, tokenizer=None) -> Proposer:
-    """Build the proposer a config describes.
-
-    Args:
-        config: ``{"type": name, **constructor arguments}`` or the path of a YAML file
-            holding that mapping.
-        target: the target model, passed to constructors that take a ``target`` argument
-            (vocabulary checks, hidden sizes); it is not a config key.
-        tokenizer: the target's tokenizer, passed to constructors that take a ``tokenizer``
-            argument (a saved suffix store's check); not a config key either.
-    """
-    values = read_config(config, what="proposer config")
-    cls = resolve_type(values, REGISTRY, "proposer")
-    where = f"proposer type {values['type']!r}"
-    return build(cls, {k: v for k, v in values.items() if k != "type"}, where, inject={"target": target, "tokenizer": tokenizer})
+from .errors import ConfigError
+from .files import read_text
 
 
 def resolve_type(values: Mapping[str, Any], registry: Mapping[str, str | type], what: str):
@@ -74,49 +41,6 @@ def resolve_type(values: Mapping[str, Any], registry: Mapping[str, str | type], 
 
 
 # --- reading -----------------------------------------------------------------------
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to a hidden file beside ``path``, then rename it over ``path``: a kill leaves the old file or the new one."""
-    path = Path(path)
-    partial = path.with_name(f".{path.name}.tmp")
-    partial.write_text(text)
-    os.replace(partial, path)
-
-
-def read_text(path: str | Path, what: str = "file", max_bytes: int | None = None) -> str:
-    """The text of a UTF-8 file; a missing, binary or non-UTF-8 file is one InputError line naming it.
-
-    Args:
-        what: what the file is, for messages ("domain file", "data file").
-        max_bytes: read at most this many bytes (a cut inside a character is dropped).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} {path} does not exist" + (" (it is a directory)" if path.is_dir() else ""))
-    with open(path, "rb") as f:
-        data = f.read() if max_bytes is None else f.read(max_bytes)
-    if b"\x00" in data:
-        raise InputError(f"{what} {path} looks binary (it holds NUL bytes); give a UTF-8 text file")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        if max_bytes is not None and len(data) == max_bytes and err.start >= len(data) - 3:
-            return data[: err.start].decode("utf-8")  # the read stopped inside a character
-        raise InputError(f"{what} {path} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start})") from None
-
-
-def check_writable(directory: str | Path, what: str = "output directory") -> Path:
-    """Create ``directory`` if needed and prove a file can be written there, before any long work; else InputError."""
-    directory = Path(directory)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".draftsmith-write-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as err:
-        raise InputError(f"{what} {directory} is not writable ({err.strerror or err})") from None
-    return directory
 
 
 def read_yaml(path: str | Path, what: str = "config") -> dict[str, Any]:

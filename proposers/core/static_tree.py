@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import InputError
+from .errors import InputError
 
 #: A tree as rank paths: ``(0, 2)`` is the top-1 guess at depth 1 followed by the top-3 at depth 2.
 RankPath = tuple[int, ...]

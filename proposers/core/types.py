@@ -1,0 +1,136 @@
+"""What crosses the proposer/verifier boundary: drafts, what a proposer is asked and shown, step results.
+
+Everything here is a frozen dataclass; the contract proposers implement is ``core.proposer``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A proposed token tree for one request; a chain is a tree with ``parents[i] = i - 1``.
+
+    Args:
+        token_ids: ``[n]`` long, proposed tokens, parents before children.
+        parents: ``[n]`` long, index of each node's parent; -1 is the last committed token.
+        draft_probs: ``[n, vocab]`` or None. Row i is the distribution token i was drawn
+            from, processed like the target's (``logits_to_probs``), and conditioned on
+            the siblings drawn before it: a proposer that samples siblings without
+            replacement stores the renormalised remainder. None means a deterministic
+            proposal (lookup, top-k children): the verifier treats each node as a point mass.
+        source: which proposer drafted it, when one proposer holds several (a composite's
+            member); the decoder counts steps and accepted tokens per source.
+    """
+
+    token_ids: torch.Tensor
+    parents: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+    source: str | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @staticmethod
+    def empty() -> Draft:
+        return _EMPTY_DRAFT
+
+    @staticmethod
+    def chain(token_ids: list[int] | torch.Tensor, draft_probs: torch.Tensor | None = None, source: str | None = None) -> Draft:
+        """A linear draft: node i's parent is node i - 1."""
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        return Draft(token_ids, torch.arange(-1, token_ids.shape[0] - 1), draft_probs, source)
+
+    def is_chain(self) -> bool:
+        """Whether node i's parent is i - 1 for every node (computed once per draft)."""
+        return self.parent_list == list(range(-1, self.num_nodes - 1))
+
+    @cached_property
+    def parent_list(self) -> list[int]:
+        """``parents`` as a Python list, converted once per draft (the verifier walks it)."""
+        return self.parents.tolist()
+
+
+_EMPTY_DRAFT = Draft(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+
+
+@dataclass(frozen=True)
+class ProposeContext:
+    """What a proposer sees when asked for a draft.
+
+    Args:
+        tokens: every committed token so far (prompt + generated), the last one not yet
+            scored by the target. The decoder's own list, valid during the call: copy
+            what you keep.
+        max_depth: the deepest node the verifier will keep (room left in the output
+            and in the model's positions); deeper nodes are pruned.
+        sampling: the processing to apply to draft distributions.
+        generator: the request's seeded generator, for proposers that sample.
+    """
+
+    tokens: list[int]
+    max_depth: int
+    sampling: SamplingParams
+    generator: torch.Generator | None = None
+
+
+@dataclass(frozen=True)
+class TargetFeatures:
+    """Hidden states the target computed for some positions.
+
+    Args:
+        hidden_states: layer index -> ``[num_positions, hidden]``; the layers a proposer
+            asked for through ``Proposer.hidden_layers`` (``-1`` is the final normed state
+            that feeds the LM head).
+    """
+
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """The outcome of verifying one draft.
+
+    Args:
+        accepted_nodes: indices of the accepted draft nodes, root to leaf.
+        accepted_tokens: their token ids.
+        next_token: the recovered token (sampled after a rejection) or the bonus token
+            (when the accepted path ends where the draft had no further child).
+        recovered: True when ``next_token`` replaced a rejected draft token.
+    """
+
+    accepted_nodes: list[int]
+    accepted_tokens: list[int]
+    next_token: int
+    recovered: bool
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted_nodes)
+
+    @property
+    def committed(self) -> list[int]:
+        return self.accepted_tokens + [self.next_token]
+
+
+@dataclass(frozen=True)
+class TransformersPeer:
+    """transformers' own implementation of a proposer's method, which evaluation runs beside it.
+
+    Args:
+        name: the method's name in tables (``hf_assisted``, ``hf_prompt_lookup``); a row is
+            named ``name[proposer row]``.
+        generate_kwargs: the keyword arguments that select the method in
+            ``model.generate`` (``{"assistant_model": draft}``, ``{"prompt_lookup_num_tokens": k, ...}``).
+    """
+
+    name: str
+    generate_kwargs: dict[str, Any]
