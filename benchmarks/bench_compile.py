@@ -1,6 +1,6 @@
 """Does ``torch.compile`` pay for the target's or the draft's decode forward on this CPU?
 
-    python benchmarks/bench_compile.py [--target recipes/demo_target] [--draft recipes/demo_draft]
+    python benchmarks/bench_compile.py [--target recipes/models/demo_target] [--draft recipes/models/demo_draft]
         [--context 128] [--tokens 300] [--threads 1] [--json out.json]
 
 For each model: the lean forward (``proposers.lean_forward``) of one token after
@@ -91,8 +91,8 @@ def _filled_cache(model, context: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="recipes/demo_target")
-    parser.add_argument("--draft", default="recipes/demo_draft")
+    parser.add_argument("--target", default="recipes/models/demo_target")
+    parser.add_argument("--draft", default="recipes/models/demo_draft")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=300)
     parser.add_argument("--threads", type=int, default=1)

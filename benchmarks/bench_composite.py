@@ -18,7 +18,8 @@ import json
 import statistics
 from pathlib import Path
 
-from draftsmith.training.demo.run import DEMO_PROPOSERS, build_domains, heldout_documents, trained_drafts
+from draftsmith.training.demo.run import heldout_documents
+from draftsmith.verify.evaluation.demo import DEMO_PROPOSERS, build_domains, trained_drafts
 from draftsmith.verify.evaluation.evaluate import DomainFile, EvalConfig, evaluate
 
 MEMBERS = {"suffix+draft": ("suffix", "demo_draft"), "suffix+ngram": ("suffix", "ngram")}
@@ -26,7 +27,7 @@ MEMBERS = {"suffix+draft": ("suffix", "demo_draft"), "suffix+ngram": ("suffix", 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="recipes/demo_target")
+    parser.add_argument("--target", default="recipes/models/demo_target")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--output", default="outputs/composite")

@@ -1,6 +1,6 @@
 """Forward cost against context, our plain loop against transformers, and each method against its bound.
 
-    python benchmarks/bench_context.py [--target recipes/demo_target] [--threads 1] [--parts forward,growth,plain,bound]
+    python benchmarks/bench_context.py [--target recipes/models/demo_target] [--threads 1] [--parts forward,growth,plain,bound]
         [--compile] [--json out.json]
 
 1. T(k): one target step scoring k tokens after a context of C tokens (C = 128 / 512 / 1024 /
@@ -42,8 +42,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from draftsmith.proposers import Draft, load_proposer
 from draftsmith.proposers.core.cache import crop_cache
 from draftsmith.proposers.core.lean_forward import LeanForward
-from draftsmith.training.demo.run import heldout_documents, trained_drafts
+from draftsmith.training.demo.run import heldout_documents
 from draftsmith.verify import SpeculativeDecoder
+from draftsmith.verify.evaluation.demo import trained_drafts
 from draftsmith.verify.target import Target
 
 CONTEXTS = (128, 512, 1024, 2048)
@@ -268,7 +269,7 @@ def _decode_rate(stats) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="recipes/demo_target")
+    parser.add_argument("--target", default="recipes/models/demo_target")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=64)

@@ -12,7 +12,7 @@ is a real ``save_pretrained`` directory evaluated by ``draftsmith eval``'s own
 ``evaluate``, with the demo's own rows (``training.demo.run``: ``DEMO_PROPOSERS`` and the
 shipped heads); EAGLE heads are copied with the padded layer count in their config.
 
-    python benchmarks/bench_depth.py [--target recipes/demo_target] [--depths 8,16,24,32]
+    python benchmarks/bench_depth.py [--target recipes/models/demo_target] [--depths 8,16,24,32]
         [--domains prose,code] [--prompts 8] [--new-tokens 64] [--output outputs/bench/depth] [--json FILE]
     python benchmarks/bench_depth.py --report FILE   # the tables of an earlier run
 
@@ -31,7 +31,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from draftsmith.proposers.core.models import load_causal_lm
-from draftsmith.training.demo.run import DEMO_PROPOSERS, build_domains, heldout_documents, trained_drafts
+from draftsmith.training.demo.run import heldout_documents
+from draftsmith.verify.evaluation.demo import DEMO_PROPOSERS, build_domains, trained_drafts
 from draftsmith.verify.evaluation.evaluate import EvalConfig, evaluate
 
 ZEROED = ("self_attn.o_proj", "mlp.down_proj")  # the projections that write into the residual stream
@@ -93,7 +94,7 @@ def padded_heads(proposers: dict[str, dict], depth: int, out_dir: Path) -> dict[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", default="recipes/demo_target")
+    parser.add_argument("--target", default="recipes/models/demo_target")
     parser.add_argument("--depths", default="8,16,24,32")
     parser.add_argument("--domains", default="prose,code")
     parser.add_argument("--prompts", type=int, default=8)

@@ -11,7 +11,7 @@ draft length unless --hf-k is given (transformers: up to 20 tokens, cut where th
 draft's confidence drops under an adaptive threshold starting at 0.4); ours drafts up to
 --k tokens, cut after a token whose draft probability is under --confidence-threshold.
 
-    python benchmarks/bench_draft.py [--target recipes/demo_target] [--draft recipes/demo_draft]
+    python benchmarks/bench_draft.py [--target recipes/models/demo_target] [--draft recipes/models/demo_draft]
         [--domains outputs/demo/domains/code.jsonl outputs/demo/domains/prose.jsonl]
         [--prompts 6] [--prompt-tokens 128] [--new-tokens 96] [--k 6] [--confidence-threshold 0.4]
         [--threads 1] [--compile] [--json FILE]
@@ -40,7 +40,8 @@ def load_prompts(args, tokenizer, max_positions: int) -> list[torch.Tensor]:
     """``--prompts`` prompts per domain file, cut to ``--prompt-tokens``, domains interleaved."""
     paths = [Path(p) for p in args.domains]
     if not all(p.is_file() for p in paths):
-        from draftsmith.training.demo.run import build_domains, heldout_documents
+        from draftsmith.training.demo.run import heldout_documents
+        from draftsmith.verify.evaluation.demo import build_domains
 
         built = build_domains(heldout_documents(Path(args.target)), paths[0].parent, args.prompts, prompt_chars=4 * args.prompt_tokens)
         print(f"domain files written: {sorted(built.values())}")
@@ -50,8 +51,8 @@ def load_prompts(args, tokenizer, max_positions: int) -> list[torch.Tensor]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="recipes/demo_target")
-    parser.add_argument("--draft", default="recipes/demo_draft")
+    parser.add_argument("--target", default="recipes/models/demo_target")
+    parser.add_argument("--draft", default="recipes/models/demo_draft")
     parser.add_argument("--domains", nargs="+", default=["outputs/demo/domains/code.jsonl", "outputs/demo/domains/prose.jsonl"])
     parser.add_argument("--prompts", type=int, default=6, help="prompts per domain")
     parser.add_argument("--prompt-tokens", type=int, default=128)

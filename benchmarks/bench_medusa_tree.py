@@ -7,7 +7,7 @@ For each tree and domain: tau (tokens per target forward over all prompts), outp
 token-identical to plain decoding, and the median speedup over plain decoding, timed
 interleaved prompt by prompt.
 
-    python benchmarks/bench_medusa_tree.py [--target recipes/demo_target] [--heads recipes/demo_medusa]
+    python benchmarks/bench_medusa_tree.py [--target recipes/models/demo_target] [--heads recipes/models/demo_medusa]
         [--domains outputs/demo/domains/code.jsonl outputs/demo/domains/prose.jsonl outputs/demo/domains/copy.jsonl]
         [--budgets 8 16 32] [--widths 2 3 4] [--prompts 8] [--prompt-tokens 128] [--new-tokens 64] [--threads 1] [--json FILE]
 """
@@ -35,8 +35,8 @@ def runner(decoder: SpeculativeDecoder, n: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="recipes/demo_target")
-    parser.add_argument("--heads", default="recipes/demo_medusa")
+    parser.add_argument("--target", default="recipes/models/demo_target")
+    parser.add_argument("--heads", default="recipes/models/demo_medusa")
     parser.add_argument("--domains", nargs="+", default=[f"outputs/demo/domains/{d}.jsonl" for d in ("code", "prose", "copy")])
     parser.add_argument("--budgets", nargs="+", type=int, default=[8, 16, 32])
     parser.add_argument("--widths", nargs="+", type=int, default=[2, 3, 4])

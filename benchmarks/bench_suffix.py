@@ -11,7 +11,7 @@ step's cost is the median over ``--steps`` steps of propose + observe; the promp
 insertion (``begin``), once per request, is reported apart. n-gram lookup (an index kept
 incrementally) runs the same replay as a reference.
 
-    python benchmarks/bench_suffix.py [--target recipes/demo_target] [--contexts 256 512 1024 2048 4096]
+    python benchmarks/bench_suffix.py [--target recipes/models/demo_target] [--contexts 256 512 1024 2048 4096]
         [--steps 300] [--earlier 16] [--json FILE]
 """
 
@@ -75,7 +75,7 @@ def replay(proposer, stream: list[int], start: int, context: int, steps: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="recipes/demo_target")
+    parser.add_argument("--target", default="recipes/models/demo_target")
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--earlier", type=int, default=16, help="earlier requests in the global store")

@@ -30,7 +30,8 @@ import torch
 from draftsmith.proposers.core.proposer import ProposerBase
 from draftsmith.proposers.core.types import Draft, ProposeContext, TargetFeatures, VerifyResult
 from draftsmith.proposers.registry import REGISTRY
-from draftsmith.training.demo.run import build_domains, heldout_documents
+from draftsmith.training.demo.run import heldout_documents
+from draftsmith.verify.evaluation.demo import build_domains
 from draftsmith.verify.evaluation.evaluate import DomainFile, EvalConfig, evaluate
 from draftsmith.verify.evaluation.report import markdown_table
 
@@ -89,7 +90,7 @@ class ArcticSuffixProposer(ProposerBase):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="recipes/demo_target")
+    parser.add_argument("--target", default="recipes/models/demo_target")
     parser.add_argument("--output", default="outputs/suffix_peer")
     parser.add_argument("--prompts", type=int, default=8)
     args = parser.parse_args()

@@ -17,11 +17,11 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 def test_proposer_recipes_load(path):
     from draftsmith.verify import load_target
 
-    target = load_target(RECIPES / "demo_target")[0]  # the trained heads' recipes draft for the shipped target
+    target = load_target(RECIPES / "models" / "demo_target")[0]  # the trained heads' recipes draft for the shipped target
     assert load_proposer(path, target=target) is not None
 
 
-@pytest.mark.parametrize("path", sorted(RECIPES.glob("engine_check_*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((RECIPES / "eval").glob("engine_check_*.yaml")), ids=lambda p: p.name)
 def test_engine_check_recipes_validate(path):
     from draftsmith.verify.evaluation.engine_check import EngineCheckConfig
 
@@ -29,12 +29,12 @@ def test_engine_check_recipes_validate(path):
     assert config.proposers and config.engine.requirements
 
 
-@pytest.mark.parametrize("path", sorted(RECIPES.glob("eval_*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(p for p in (RECIPES / "eval").glob("*.yaml") if not p.name.startswith("engine_check")), ids=lambda p: p.name)
 def test_eval_recipes_validate(path):
     assert EvalConfig.from_yaml(path).domains
 
 
-@pytest.mark.parametrize("path", sorted(RECIPES.glob("demo_target*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((RECIPES / "training").glob("demo_target*.yaml")), ids=lambda p: p.name)
 def test_pretrain_recipes_resolve(path):
     assert load_config(path).num_layers >= 1
 
@@ -54,12 +54,20 @@ def _training_recipes() -> list[Path]:
 
     from draftsmith.training.objective import OBJECTIVES
 
-    return [p for p in sorted(RECIPES.glob("*.yaml")) if (yaml.safe_load(p.read_text()) or {}).get("type") in OBJECTIVES]
+    return [p for p in sorted((RECIPES / "training").glob("*.yaml")) if (yaml.safe_load(p.read_text()) or {}).get("type") in OBJECTIVES]
 
 
 @pytest.mark.parametrize("path", _training_recipes(), ids=lambda p: p.name)
 def test_training_recipes_build_their_objective(path):
-    from draftsmith.training.train import load_config, make_objective
+    from draftsmith.training.recipe import load_config, make_objective
 
     objective = make_objective(load_config(path))  # every draft: key is one the family takes, of its type
     assert objective.needs_logits or objective.hidden_layers
+
+
+def test_recipes_are_grouped_by_kind():
+    """Training recipes, eval configs, proposer configs and shipped models each in their own folder, nothing loose."""
+    assert sorted(p.name for p in RECIPES.iterdir()) == ["eval", "models", "proposers", "training"]
+    for model in (RECIPES / "models").iterdir():
+        assert (model / "config.json").is_file() and (model / "model.safetensors").is_file(), model
+    assert all((p.parent / "config.json").exists() is False for p in (RECIPES / "training").glob("*.yaml"))

@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(run=run_generate)
 
     ev = commands.add_parser("eval", help="per-domain tau / speedup of proposers vs plain decoding (JSON, table, plots)")
-    ev.add_argument("--config", required=True, help="eval config YAML (see recipes/eval_*.yaml)")
+    ev.add_argument("--config", required=True, help="eval config YAML (see recipes/eval/*.yaml)")
     ev.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     ev.add_argument("--no-progress", action="store_true")
     ev.set_defaults(run=run_eval)
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser(
         "engine-check", help="export proposers, serve them in vLLM (its own venv) and compare with its plain run and with draftsmith"
     )
-    check.add_argument("--config", required=True, help="engine-check config YAML (see recipes/engine_check_demo.yaml)")
+    check.add_argument("--config", required=True, help="engine-check config YAML (see recipes/eval/engine_check_demo.yaml)")
     check.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     check.add_argument("--no-progress", action="store_true")
     check.set_defaults(run=run_engine_check)

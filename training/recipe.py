@@ -62,7 +62,7 @@ class TrainConfig(LoopConfig):
     """Every key a training recipe may set; an unknown key is an error that lists the valid ones."""
 
     type: str = "draft_lm"  # the family (training.objective.OBJECTIVES)
-    target: str = "recipes/demo_target"  # the frozen target: a save_pretrained directory with its tokenizer
+    target: str = "recipes/models/demo_target"  # the frozen target: a save_pretrained directory with its tokenizer
     target_dtype: Dtype = "float32"
     target_device_map: str | None = None  # e.g. "auto": shard a large target over the devices (from_pretrained's device_map)
     output_dir: str = "outputs/draft"  # the trained draft, its config and curves

@@ -37,7 +37,7 @@ def test_a_bad_data_file_is_named_before_the_target_loads(name, no_target, targe
     bad = tmp_path / name
     bad.write_bytes(content)
     cfg = load_config(
-        REPO / "recipes" / "distill_draft_full.yaml", recipe_overrides(target_dir, text_file, tmp_path, f"data.eval_files=[{bad}]")
+        REPO / "recipes" / "training" / "distill_draft_full.yaml", recipe_overrides(target_dir, text_file, tmp_path, f"data.eval_files=[{bad}]")
     )
     with pytest.raises(InputError, match=message) as caught:
         run(cfg)
@@ -49,7 +49,7 @@ def test_an_unwritable_output_is_named_before_training(key, no_target, target_di
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     cfg = load_config(
-        REPO / "recipes" / "distill_draft_full.yaml", recipe_overrides(target_dir, text_file, tmp_path, f"{key}={blocker}/sub/dir")
+        REPO / "recipes" / "training" / "distill_draft_full.yaml", recipe_overrides(target_dir, text_file, tmp_path, f"{key}={blocker}/sub/dir")
     )
     with pytest.raises(InputError, match="not writable") as caught:
         run(cfg)
@@ -75,7 +75,7 @@ def test_an_unwritable_eval_output_is_named_before_decoding(tiny_target_dir, tmp
 )
 def test_demo_arguments_are_checked(kwargs, message, tmp_path, monkeypatch):
     monkeypatch.setattr("draftsmith.training.demo.run.heldout_documents", lambda *a: pytest.fail("went on to the corpus"))
-    block = yaml.safe_load((REPO / "recipes" / "demo_target" / "config.json").read_text())["max_position_embeddings"]
+    block = yaml.safe_load((REPO / "recipes" / "models" / "demo_target" / "config.json").read_text())["max_position_embeddings"]
     if "max_new_tokens" in kwargs:
         kwargs = {"max_new_tokens": block + 44}
         message = rf"max_new_tokens={block + 44} leaves no room for a prompt in the demo target's {block} positions"

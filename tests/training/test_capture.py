@@ -62,7 +62,7 @@ def toy(monkeypatch):
 def toy_config(target_dir, text_file, root: Path, *extra: str):
     overrides = [o for o in recipe_overrides(target_dir, text_file, root) if not o.startswith("draft.")]
     extra = ("type=toy_probe", "draft={layer: 1}", "learning_rate=0.3", f"capture.dir={root / 'capture'}", *extra)
-    return load_config(REPO / "recipes" / "distill_draft_full.yaml", [*overrides, *extra])
+    return load_config(REPO / "recipes" / "training" / "distill_draft_full.yaml", [*overrides, *extra])
 
 
 def test_hidden_layer_convention_is_output_hidden_states(target_dir):

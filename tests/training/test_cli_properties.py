@@ -81,9 +81,9 @@ def test_eval_with_any_override_works_or_names_it(tiny_target_dir, tmp_path_fact
     "argv, names",
     [
         (["generate", "--target", "/nonexistent/model", "--prompt", "x"], "/nonexistent/model"),
-        (["eval", "--config", "recipes/eval_demo.yaml", "num_prompts=eight"], "num_prompts"),
+        (["eval", "--config", "recipes/eval/demo.yaml", "num_prompts=eight"], "num_prompts"),
         (["demo", "--num-prompts", "0"], "num_prompts"),
-        (["generate", "--target", "recipes/demo_target", "--prompt", "x", "--top-k", "2.5"], "--top-k"),
+        (["generate", "--target", "recipes/models/demo_target", "--prompt", "x", "--top-k", "2.5"], "--top-k"),
     ],
 )
 def test_a_users_shell_sees_one_line_and_exit_code_2(argv, names):

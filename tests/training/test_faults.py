@@ -69,7 +69,7 @@ KILLS = [pytest.param(0), pytest.param(1, marks=pytest.mark.slow), pytest.param(
 
 
 def drive(script: Path, phase: str, kill_at: int, overrides: list[str]) -> subprocess.CompletedProcess:
-    config = str(REPO / "recipes" / "distill_draft_full.yaml")
+    config = str(REPO / "recipes" / "training" / "distill_draft_full.yaml")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [sys.executable, str(script), phase, str(kill_at), config, *overrides], capture_output=True, text=True, env=env, timeout=300
@@ -111,9 +111,9 @@ EXTRA = ("max_steps=4", "checkpoint_every=2", "keep_checkpoints=1")
 def reference(target_dir, text_file, tmp_path_factory):
     """The uninterrupted run's output, the driver script, and (per phase, filled lazily) the lines a dry run traces."""
     root = tmp_path_factory.mktemp("faults")
-    whole = run(load_config(REPO / "recipes" / "distill_draft_full.yaml", recipe_overrides(target_dir, text_file, root / "whole", *EXTRA)))
+    whole = run(load_config(REPO / "recipes" / "training" / "distill_draft_full.yaml", recipe_overrides(target_dir, text_file, root / "whole", *EXTRA)))
     other = run(
-        load_config(REPO / "recipes" / "distill_draft_full.yaml", recipe_overrides(target_dir, text_file, root / "other", *EXTRA, "seed=1"))
+        load_config(REPO / "recipes" / "training" / "distill_draft_full.yaml", recipe_overrides(target_dir, text_file, root / "other", *EXTRA, "seed=1"))
     )
     script = root / "driver.py"
     script.write_text(DRIVER)
@@ -143,7 +143,7 @@ def test_sigkill_while_writing_loses_nothing(phase, kill, reference, target_dir,
     assert_nothing_half_written(tmp_path / "run", out)
     if phase == "export":
         assert_all_old_or_all_new(out, old=reference["other"], new=reference["whole"])
-    again = run(load_config(REPO / "recipes" / "distill_draft_full.yaml", overrides))
+    again = run(load_config(REPO / "recipes" / "training" / "distill_draft_full.yaml", overrides))
     expected = load_file(reference["whole"] / "model.safetensors")
     for name, tensor in load_file(again / "model.safetensors").items():
         torch.testing.assert_close(tensor, expected[name], rtol=1e-5, atol=1e-6, msg=f"killed at line {kill_at} of {lines}")

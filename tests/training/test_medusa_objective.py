@@ -70,7 +70,7 @@ def medusa_overrides(target_dir, text_file, root, *extra):
 
 def test_recipe_trains_heads_that_draft_losslessly(target_dir, text_file, tmp_path):
     """The shipped recipe on the tiny target: only the heads change, the export loads and drafts with its calibrated tree."""
-    cfg = load_config(REPO / "recipes" / "medusa_demo.yaml", medusa_overrides(target_dir, text_file, tmp_path, "max_steps=30"))
+    cfg = load_config(REPO / "recipes" / "training" / "medusa_demo.yaml", medusa_overrides(target_dir, text_file, tmp_path, "max_steps=30"))
     before = load_file(str(target_dir / "model.safetensors"))
     out = run(cfg)
     after = load_file(str(target_dir / "model.safetensors"))
@@ -112,13 +112,13 @@ def test_recipe_trains_heads_that_draft_losslessly(target_dir, text_file, tmp_pa
 )
 def test_bad_recipe_keys_are_refused(override, message, target_dir, text_file, tmp_path):
     with pytest.raises(InputError, match=message):
-        load_config(REPO / "recipes" / "medusa_demo.yaml", medusa_overrides(target_dir, text_file, tmp_path, override))
+        load_config(REPO / "recipes" / "training" / "medusa_demo.yaml", medusa_overrides(target_dir, text_file, tmp_path, override))
 
 
 def test_pretrained_heads_for_another_target_are_refused(target_dir, text_file, tmp_path):
     MedusaHeads(48, 300, 3).save(tmp_path / "other")
     cfg = load_config(
-        REPO / "recipes" / "medusa_demo.yaml", medusa_overrides(target_dir, text_file, tmp_path, f"draft.pretrained={tmp_path / 'other'}")
+        REPO / "recipes" / "training" / "medusa_demo.yaml", medusa_overrides(target_dir, text_file, tmp_path, f"draft.pretrained={tmp_path / 'other'}")
     )
     with pytest.raises(InputError, match="hidden size 48, this target's is 32"):
         run(cfg)
@@ -131,12 +131,12 @@ def test_calibrate_command_rewrites_the_calibration(target_dir, text_file, tmp_p
     target, _ = load_target(target_dir)
     out = tmp_path / "out"
     MedusaHeads.for_target(target, 3).save(out)
-    cfg = load_config(REPO / "recipes" / "medusa_demo.yaml", medusa_overrides(target_dir, text_file, tmp_path))
+    cfg = load_config(REPO / "recipes" / "training" / "medusa_demo.yaml", medusa_overrides(target_dir, text_file, tmp_path))
     written = calibrate(cfg)
     calibration = json.loads(written.read_text())
     assert calibration["tokens"] > 0 and calibration["path_counts"] and calibration["tree"]
     assert load_proposer({"type": "medusa", "model": str(out)}, target=target).tree.num_nodes == len(calibration["tree"])
     with pytest.raises(InputError, match="give data.eval_files"):
         calibrate(
-            load_config(REPO / "recipes" / "medusa_demo.yaml", medusa_overrides(target_dir, text_file, tmp_path, "data.eval_files=[]"))
+            load_config(REPO / "recipes" / "training" / "medusa_demo.yaml", medusa_overrides(target_dir, text_file, tmp_path, "data.eval_files=[]"))
         )

@@ -19,7 +19,7 @@ def test_mtp_recipe_trains_modules_that_draft_losslessly(target_dir, text_file, 
     before = load_file(str(target_dir / "model.safetensors"))
     keep = [o for o in recipe_overrides(target_dir, text_file, tmp_path) if not o.startswith("draft.")]
     overrides = [*keep, f"data.eval_files=[{text_file}]", "eval_batches=2", "draft.num_modules=2", "max_steps=20"]
-    out = run(load_config(REPO / "recipes" / "mtp_demo.yaml", overrides))
+    out = run(load_config(REPO / "recipes" / "training" / "mtp_demo.yaml", overrides))
     after = load_file(str(target_dir / "model.safetensors"))
     assert all(torch.equal(before[k], after[k]) for k in before)  # the frozen target was never written
     metrics = json.loads((out / "heldout_metrics.json").read_text())

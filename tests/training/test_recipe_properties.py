@@ -18,7 +18,7 @@ from draftsmith.training.recipe import TrainConfig, load_config
 
 from tiny_recipe import REPO
 
-RECIPE = REPO / "recipes" / "distill_draft_full.yaml"
+RECIPE = REPO / "recipes" / "training" / "distill_draft_full.yaml"
 
 
 def dotted_keys(cls, prefix: str = "") -> list[str]:

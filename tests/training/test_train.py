@@ -31,7 +31,7 @@ from tiny_recipe import REPO, recipe_overrides
 
 
 def tiny_config(target_dir, text_file, root, *extra):
-    return load_config(REPO / "recipes" / "distill_draft_full.yaml", recipe_overrides(target_dir, text_file, root, *extra))
+    return load_config(REPO / "recipes" / "training" / "distill_draft_full.yaml", recipe_overrides(target_dir, text_file, root, *extra))
 
 
 def train_losses(out: Path) -> list[float]:
@@ -190,7 +190,7 @@ def test_two_processes_split_the_data_and_agree(target_dir, text_file, tmp_path)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "draftsmith.training.train"]
     args = [
         "--config",
-        str(REPO / "recipes" / "distill_draft_full.yaml"),
+        str(REPO / "recipes" / "training" / "distill_draft_full.yaml"),
         *recipe_overrides(target_dir, text_file, tmp_path / "two", *extra),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -277,12 +277,12 @@ def test_lora_trains_adapters_only_and_merges_into_a_plain_checkpoint(target_dir
 
 @pytest.mark.parametrize("name", ["distill_draft_full.yaml", "distill_draft_lora.yaml"])
 def test_shipped_recipes_resolve(name):
-    cfg = load_config(REPO / "recipes" / name)
+    cfg = load_config(REPO / "recipes" / "training" / name)
     assert cfg.type == "draft_lm" and cfg.data.train_files
 
 
 def test_unknown_keys_and_bad_values_fail_with_the_valid_ones(tmp_path):
-    recipe = REPO / "recipes" / "distill_draft_full.yaml"
+    recipe = REPO / "recipes" / "training" / "distill_draft_full.yaml"
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['draft.init.layers'\]; valid keys: .*draft.init.num_layers"):
         load_config(recipe, ["draft.init.layers=2"])
     with pytest.raises(ValueError, match=r"override 'lr=0.1' sets unknown key 'lr'; valid keys: .*learning_rate"):
@@ -309,7 +309,7 @@ def test_missing_data_file_is_named(target_dir, text_file, tmp_path):
 
 def test_a_draft_bigger_than_the_target_warns(target_dir):
     bigger = ["draft.init.num_layers=4", "draft.init.hidden_size=64", "draft.init.copy_target_embeddings=false"]
-    cfg = load_config(REPO / "recipes" / "distill_draft_full.yaml", bigger)
+    cfg = load_config(REPO / "recipes" / "training" / "distill_draft_full.yaml", bigger)
     target = AutoModelForCausalLM.from_pretrained(target_dir)
     with pytest.warns(UserWarning, match="more than the target"):
         make_objective(cfg).build(target, AutoTokenizer.from_pretrained(target_dir))

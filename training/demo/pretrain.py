@@ -1,7 +1,7 @@
 """Pretrain the offline demo target: a small Llama trained on text found on this machine.
 
-    accelerate launch -m draftsmith.training.demo.pretrain --config recipes/demo_target.yaml [key=value ...]
-    python -m draftsmith.training.demo.pretrain --config recipes/demo_target_quick.yaml
+    accelerate launch -m draftsmith.training.demo.pretrain --config recipes/training/demo_target.yaml [key=value ...]
+    python -m draftsmith.training.demo.pretrain --config recipes/training/demo_target_quick.yaml
 
 Stages, each cached under ``work_dir`` in a directory named after a hash of the
 config keys it depends on, and skipped when its finished artefact is present:
@@ -57,7 +57,7 @@ from draftsmith.training.recipe import LoopConfig
 class PretrainConfig(LoopConfig):
     """Every key a recipe may set (the loop's keys included); an unknown key is an error."""
 
-    output_dir: str = "recipes/demo_target"  # the shipped model, tokenizer, curves
+    output_dir: str = "recipes/models/demo_target"  # the shipped model, tokenizer, curves
     work_dir: str = ".cache/draftsmith/demo_target"  # stage caches and checkpoints
     init_from: str | None = None  # continue from this save_pretrained model (and its tokenizer) instead of a fresh one
     # corpus (training.demo.corpus)

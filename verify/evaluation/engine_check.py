@@ -1,6 +1,6 @@
 """Serve what was trained: every exported proposer in a real engine (vLLM), against its own plain run and draftsmith.
 
-``draftsmith engine-check --config recipes/engine_check_demo.yaml`` exports each configured
+``draftsmith engine-check --config recipes/eval/engine_check_demo.yaml`` exports each configured
 proposer in vLLM's layout (``Proposer.export``), runs vLLM in its own venv and process on
 the target, plain and with each export, greedy, on the configured domains, and reports per
 domain:

@@ -1,6 +1,6 @@
 """Per-domain evaluation: tau, acceptance by depth, speedup over plain decoding, as files.
 
-``draftsmith eval --config recipes/eval_*.yaml`` runs every configured proposer, plain
+``draftsmith eval --config recipes/eval/*.yaml`` runs every configured proposer, plain
 decoding and the transformers peer each proposer declares (``Proposer.transformers_peer``:
 assisted generation, prompt lookup) on the same prompts, interleaved prompt by prompt so
 machine-load drift hits all alike, and writes per-prompt JSONL, a summary JSON, a

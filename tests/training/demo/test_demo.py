@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from draftsmith.training.demo.corpus import Document
-from draftsmith.training.demo.run import build_domains, run_demo
+from draftsmith.training.demo.run import run_demo
+from draftsmith.verify.evaluation.demo import build_domains
 
 
 def test_domains_are_built_from_the_documents_given(tmp_path):
@@ -44,9 +45,9 @@ def test_quick_demo_end_to_end(tmp_path, monkeypatch):
 
 def test_shipped_proposers_are_evaluated_when_present_and_fitting(tmp_path, monkeypatch):
     """Every SHIPPED row whose directory exists with the target's vocabulary is evaluated; others are skipped."""
-    import draftsmith.training.demo.run as demo
+    import draftsmith.verify.evaluation.demo as demo
 
-    monkeypatch.setattr(demo, "RECIPES", tmp_path)
+    monkeypatch.setattr(demo, "MODELS", tmp_path)
     (tmp_path / "target").mkdir()
     (tmp_path / "target" / "config.json").write_text(json.dumps({"vocab_size": 300}))
     for directory, vocab in (("demo_draft", 300), ("demo_medusa", 299), ("demo_eagle1", 300)):

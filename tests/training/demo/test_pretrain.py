@@ -12,7 +12,7 @@ from draftsmith.training.demo.pretrain import build_model, load_config, run
 from draftsmith.training.demo.tokenizer import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[3]
-QUICK = REPO / "recipes" / "demo_target_quick.yaml"
+QUICK = REPO / "recipes" / "training" / "demo_target_quick.yaml"
 TINY = (  # the quick recipe shrunk further so each run takes seconds
     "code_max_mb=0.3 prose_max_mb=0.2 heldout_mod=4 vocab_size=384 hidden_size=32 intermediate_size=64 num_layers=2 "
     "num_heads=2 num_kv_heads=2 block_size=32 batch_size=4 max_steps=6 warmup_steps=2 log_every=2 eval_every=3 "

@@ -22,7 +22,7 @@ PLAUSIBLE = st.one_of(
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(st.dictionaries(st.one_of(st.sampled_from(KEYS), ODD_KEYS), st.one_of(PLAUSIBLE, ANY_VALUE), max_size=4))
 def test_an_eval_config_validates_or_names_its_bad_key(extra):
-    raw = {"target": "recipes/demo_target", "domains": {"code": "code.jsonl"}, **extra}
+    raw = {"target": "recipes/models/demo_target", "domains": {"code": "code.jsonl"}, **extra}
     try:
         config = EvalConfig.from_dict(raw)
     except InputError as err:
