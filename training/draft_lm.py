@@ -23,7 +23,7 @@ from draftsmith.proposers.draft_model import check_vocabulary, warn_if_bigger
 
 from .capture import Captured
 from .common import small_llama
-from .losses import LOSSES, forward_kl, top1_agreement
+from .losses import LOSSES, check_loss, forward_kl, top1_agreement
 
 FALLBACK_POSITIONS = 8192  # a fresh draft's positions when the target's config states none
 
@@ -77,6 +77,7 @@ class DraftLMObjective:
     ):
         if lora.enabled and pretrained is None:
             raise InputError("lora.enabled needs draft.pretrained (a trained draft to adapt); a fresh draft is trained in full")
+        check_loss(loss, tuple(LOSSES))
         if not 0.0 < check_real("draft.temperature", temperature) < math.inf:
             raise InputError(f"draft.temperature must be a finite number > 0, got {temperature!r}")
         self.pretrained, self.init, self.lora, self.loss_name, self.temperature = pretrained, init, lora, loss, temperature

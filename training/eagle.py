@@ -31,7 +31,7 @@ from draftsmith.proposers.core.errors import InputError, check_integer, check_re
 from draftsmith.proposers.eagle_head import EagleDraft, config_for_target, draft_for_target, load_draft, read_head_config
 
 from .capture import Captured
-from .losses import masked_mean
+from .losses import decayed_mean, forward_kl_to, masked_mean
 
 FREQUENCY_ROWS = 20000  # training rows counted to choose the draft vocabulary
 
@@ -152,11 +152,6 @@ def _targets(draft: EagleDraft, target_logits: torch.Tensor) -> tuple[torch.Tens
     return logp, target_logits.argmax(-1)
 
 
-def _kl(draft_logits: torch.Tensor, target_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    draft_logp = F.log_softmax(draft_logits.float(), dim=-1)
-    return masked_mean((target_logp.exp() * (target_logp - draft_logp)).sum(-1), mask)
-
-
 def _accepted(draft: EagleDraft, draft_logits: torch.Tensor, greedy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Share of masked rows whose draft argmax (as a target id) is the target's greedy token."""
     guess = draft_logits.argmax(-1)
@@ -175,7 +170,7 @@ def eagle1_loss(draft: EagleDraft, batch, captured: Captured, feature_weight: fl
     counted = mask[:, 1:]
     feature_loss = masked_mean(F.smooth_l1_loss(out, features[:, 1:], reduction="none").mean(-1), counted)
     logits = draft.logits(out)
-    kl = _kl(logits, target_logp[:, 1:], counted)
+    kl = forward_kl_to(logits, target_logp[:, 1:], counted)
     metrics = {"feature_l1": feature_loss.detach(), "kl": kl.detach(), "acc0": _accepted(draft, logits.detach(), greedy[:, 1:], counted)}
     return feature_weight * feature_loss + ce_weight * kl, metrics
 
@@ -184,16 +179,15 @@ def ttt_loss(draft: EagleDraft, batch, captured: Captured, layers: tuple[int, ..
     """EAGLE-3's training-time test over ``steps`` unrolled steps (see the module docstring)."""
     mask = batch["loss_mask"]
     target_logp, greedy = _targets(draft, captured.logits)
-    total, weights, metrics = 0.0, 0.0, {}
+    losses, metrics = [], {}
     for j, logits in enumerate(unrolled_logits(draft, batch["input_ids"], captured, layers, steps)):
         valid = logits.shape[1]
         counted = mask[:, j + 1 : j + 1 + valid]
-        kl = _kl(logits, target_logp[:, j + 1 : j + 1 + valid], counted)
-        weight = decay**j
-        total, weights = total + weight * kl, weights + weight
+        kl = forward_kl_to(logits, target_logp[:, j + 1 : j + 1 + valid], counted)
+        losses.append(kl)
         metrics[f"kl{j}"] = kl.detach()
         metrics[f"acc{j}"] = _accepted(draft, logits.detach(), greedy[:, j + 1 : j + 1 + valid], counted)
-    return total / weights, metrics
+    return decayed_mean(losses, decay), metrics
 
 
 def unrolled_logits(draft: EagleDraft, tokens: torch.Tensor, captured: Captured, layers: tuple[int, ...], steps: int):

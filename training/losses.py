@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from draftsmith.proposers.core.errors import InputError
+
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``values`` ``[...]`` where ``mask`` ``[...]`` is true (0 when nothing is masked in)."""
@@ -59,11 +61,45 @@ def tvd(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Ten
     return masked_mean(per_position, mask)
 
 
+def cross_entropy_to(draft_logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy to given tokens (the target's greedy ones), masked mean over positions.
+
+    Args:
+        draft_logits: ``[batch, seq, vocab]``; tokens: ``[batch, seq]`` long; mask: ``[batch, seq]`` bool.
+    """
+    per_position = F.cross_entropy(draft_logits.flatten(0, 1).float(), tokens.flatten(), reduction="none")  # [batch * seq]
+    return masked_mean(per_position.view_as(mask), mask)
+
+
 def top1_agreement(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Fraction of masked positions where the argmaxes agree: greedy acceptance of one drafted token. Shapes as above."""
     agree = (draft_logits.argmax(-1) == target_logits.argmax(-1)).float()  # [batch, seq]
     return masked_mean(agree, mask)
 
 
-#: ``loss:`` recipe value -> function
+#: The ``loss:`` vocabulary every objective shares; each family's ``draft.loss`` takes the ones it computes.
+#: ``cross_entropy`` is to the target's greedy token; the others compare whole distributions.
+LOSS_NAMES = ("forward_kl", "reverse_kl", "tvd", "cross_entropy")
+#: The distribution losses by name (the draft LM's ``draft.loss``).
 LOSSES = {"forward_kl": forward_kl, "reverse_kl": reverse_kl, "tvd": tvd}
+
+
+def check_loss(name: str, allowed: tuple[str, ...]) -> str:
+    """``name`` when it is one of the ``allowed`` losses (words of ``LOSS_NAMES``); else an InputError naming ``draft.loss``."""
+    assert set(allowed) <= set(LOSS_NAMES), allowed
+    if name not in allowed:
+        raise InputError(f"draft.loss must be one of {list(allowed)}, got {name!r}")
+    return name
+
+
+def decayed_mean(terms: list[torch.Tensor], decay: float) -> torch.Tensor:
+    """``sum_j decay**j * terms[j] / sum_j decay**j``: one loss per draft depth (a head, a module, an unrolled step), the deeper ones weighed down.
+
+    Deeper guesses are accepted only when every shallower one was, so their loss counts less
+    (Medusa, Cai et al. 2024; the MTP modules and EAGLE-3's unrolled steps alike).
+    """
+    total, weights = 0.0, 0.0
+    for depth, term in enumerate(terms):
+        weight = decay**depth
+        total, weights = total + weight * term, weights + weight
+    return total / weights

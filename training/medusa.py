@@ -18,16 +18,16 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.proposers.core.errors import InputError, check_integer, check_real
 from draftsmith.proposers.medusa_head import DEFAULT_MAX_NODES, MedusaHeads, check_heads_fit, load_heads, write_calibration
 
 from .capture import Captured
-from .losses import forward_kl_to, log_probs, masked_mean
+from .losses import check_loss, cross_entropy_to, decayed_mean, forward_kl_to, log_probs, masked_mean
 
 MIN_RANKS = 5  # top-1 and top-5 are always reported
+LOSSES = ("forward_kl", "cross_entropy")
 
 
 class MedusaObjective:
@@ -64,6 +64,7 @@ class MedusaObjective:
             raise InputError(f"draft.num_heads must be >= 1, got {num_heads}")
         if check_integer("draft.num_layers", num_layers) < 0:
             raise InputError(f"draft.num_layers must be >= 0, got {num_layers}")
+        check_loss(loss, LOSSES)
         if not 0.0 < check_real("draft.decay", decay) <= 1.0:
             raise InputError(f"draft.decay must be in (0, 1], got {decay!r}")
         if not 0.0 < check_real("draft.temperature", temperature) < math.inf:
@@ -106,17 +107,15 @@ class MedusaObjective:
         target_logp = log_probs(target_logits, self.temperature)
         plain_logp = target_logp if self.temperature == 1.0 else log_probs(target_logits, 1.0)
         greedy = target_logits.argmax(-1)  # [batch, seq]
-        total, weights, metrics = 0.0, 0.0, {}
+        losses, metrics = [], {}
         for k in range(1, min(head_logits.shape[0], seq - 1) + 1):
             # head k at position t guesses token t + k + 1: the target's row t + k
             guess, counted = head_logits[k - 1][:, : seq - k], mask[:, k:]
             if self.loss_name == "forward_kl":
                 head_loss = forward_kl_to(guess, target_logp[:, k:], counted, self.temperature)
             else:
-                per_position = F.cross_entropy(guess.flatten(0, 1).float(), greedy[:, k:].flatten(), reduction="none")
-                head_loss = masked_mean(per_position.view_as(counted), counted)
-            weight = self.decay ** (k - 1)
-            total, weights = total + weight * head_loss, weights + weight
+                head_loss = cross_entropy_to(guess, greedy[:, k:], counted)
+            losses.append(head_loss)
             with torch.no_grad():
                 plain = (
                     head_loss.detach()
@@ -130,7 +129,7 @@ class MedusaObjective:
             self._counting = False
         else:
             self._count_paths(head_logits, greedy, mask)
-        return total / weights, metrics
+        return decayed_mean(losses, self.decay), metrics
 
     def _count_paths(self, head_logits: torch.Tensor, greedy: torch.Tensor, mask: torch.Tensor) -> None:
         """Add this held-out batch's rank tuples to the counts of the current evaluation (a new one starts after training steps).

@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import draftsmith.training.train as train_module
 from draftsmith.proposers import load_proposer
+from draftsmith.proposers.core.config import schema_parameters
+from draftsmith.proposers.core.errors import InputError
 from draftsmith.training.data import read_files, render_chat, self_distill
 from draftsmith.training.draft_lm import DraftLMObjective
-from draftsmith.training.losses import forward_kl, masked_mean, reverse_kl, top1_agreement, tvd
+from draftsmith.training.losses import LOSS_NAMES, check_loss, forward_kl, masked_mean, reverse_kl, top1_agreement, tvd
+from draftsmith.training.objective import OBJECTIVES, objective_class
 from draftsmith.training.recipe import load_config, make_objective
 from draftsmith.training.train import run
 
@@ -331,3 +335,16 @@ def test_a_half_precision_or_sharded_target_trains_the_same_loop(target_dir, tex
     assert calls == [(str(target_dir), "bfloat16", "auto"), torch.bfloat16]
     assert all(math.isfinite(loss) for loss in train_losses(out)) and len(train_losses(out)) == 3
     assert load_file(out / "model.safetensors")["model.embed_tokens.weight"].dtype == torch.float32
+
+
+def test_every_objective_speaks_the_one_loss_vocabulary():
+    """Each family's ``draft.loss`` choices are words of ``LOSS_NAMES``, and a word it does not compute is refused by name."""
+    spoken = {}
+    for kind in OBJECTIVES:
+        hint = schema_parameters(objective_class(kind)).get("loss")
+        if hint is not None:
+            spoken[kind] = typing.get_args(hint[0])
+            assert spoken[kind] and set(spoken[kind]) <= set(LOSS_NAMES), (kind, spoken[kind])
+    assert set(spoken) >= {"draft_lm", "medusa", "mtp"}
+    with pytest.raises(InputError, match=r"draft.loss must be one of \['forward_kl', 'cross_entropy'\], got 'kl'"):
+        check_loss("kl", ("forward_kl", "cross_entropy"))
