@@ -32,6 +32,7 @@ from ..decoder import SpeculativeDecoder
 from ..stats import DecodeStats
 from ..target import load_target
 from .domains import Prompt, load_domain
+from .report import markdown_table, plot_acceptance, plot_domains
 
 PLAIN = "plain"
 # The raw counters behind tau and the acceptance rates, copied into each summary row.
@@ -341,8 +342,6 @@ def merge_stats(all_stats: list[DecodeStats]) -> DecodeStats | None:
 
 def write_outputs(config: EvalConfig, records: list[Record], summary: dict[str, Any]) -> dict[str, Path]:
     """Write records.jsonl, summary.json, table.md and the plots under ``config.output_dir``."""
-    from .report import markdown_table, plot_acceptance, plot_domains
-
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {
