@@ -1,6 +1,6 @@
 """Does ``torch.compile`` pay for the target's or the draft's decode forward on this CPU?
 
-    python benchmarks/bench_compile.py [--target recipes/models/demo_target] [--draft recipes/models/demo_draft]
+    python -m benchmarks.bench_compile [--target recipes/models/demo_target] [--draft recipes/models/demo_draft]
         [--context 128] [--tokens 300] [--threads 1] [--json out.json]
 
 For each model: the lean forward (``proposers.lean_forward``) of one token after
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 import torch._dynamo
-from transformers import AutoModelForCausalLM
 
 from draftsmith.proposers.core.cache import crop_cache, make_cache
 from draftsmith.proposers.core.lean_forward import LeanForward, forward_mode
+from draftsmith.proposers.core.models import load_causal_lm
 
 CYCLE = 50  # tokens before the cache is cropped back to the context
 
@@ -53,7 +53,7 @@ def _per_token(forward, model, context: int, tokens: int) -> float:
 
 
 def measure(path: str, context: int, tokens: int) -> dict:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = load_causal_lm(Path(path), "model", dtype=torch.float32)
     lean = LeanForward.probe(model)
     assert lean is not None, f"{path}: the lean forward does not reproduce the model here"
     torch._dynamo.reset()

@@ -8,7 +8,7 @@ the speedup's median over runs with its range; per composite, its margin over it
 member (the member with the highest median speedup) in each run. The spread of the
 members' own speedups over runs is the noise the margins are read against.
 
-    python benchmarks/bench_composite.py [--runs 3] [--prompts 8] [--output outputs/composite] [--json FILE]
+    python -m benchmarks.bench_composite [--runs 3] [--prompts 8] [--output outputs/composite] [--json FILE]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Forward cost against context, our plain loop against transformers, and each method against its bound.
 
-    python benchmarks/bench_context.py [--target recipes/models/demo_target] [--threads 1] [--parts forward,growth,plain,bound]
+    python -m benchmarks.bench_context [--target recipes/models/demo_target] [--threads 1] [--parts forward,growth,plain,bound]
         [--compile] [--json out.json]
 
 1. T(k): one target step scoring k tokens after a context of C tokens (C = 128 / 512 / 1024 /
@@ -36,14 +36,13 @@ import time
 from pathlib import Path
 
 import torch
-from harness import hf_greedy, run_interleaved  # noqa: E402 (benchmarks/ is the script directory)
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks.harness import hf_greedy, run_interleaved
 from draftsmith.proposers import Draft, load_proposer
 from draftsmith.proposers.core.cache import crop_cache
 from draftsmith.proposers.core.lean_forward import LeanForward
 from draftsmith.training.demo.run import heldout_documents
-from draftsmith.verify import SpeculativeDecoder
+from draftsmith.verify import SpeculativeDecoder, load_target
 from draftsmith.verify.evaluation.demo import trained_drafts
 from draftsmith.verify.target import Target
 
@@ -280,8 +279,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target_dir = Path(args.target)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model, tokenizer = load_target(target_dir)
     result = {"threads": args.threads, "compile": args.compile}
     parts = args.parts.split(",")
     if "forward" in parts:

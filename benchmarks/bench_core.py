@@ -7,7 +7,7 @@ on prompts whose continuation repeats the context (the model's own greedy output
 put in the prompt, so a faithful copy is what the model does next). Prints b/a and d/c
 and checks that every output is token-identical to (a).
 
-    python benchmarks/bench_core.py [--target DIR [--domain FILE.jsonl]] [--prompts 8] [--new-tokens 128]
+    python -m benchmarks.bench_core [--target DIR [--domain FILE.jsonl]] [--prompts 8] [--new-tokens 128]
 
 Without --target a random Llama (8 layers, hidden 256) is used. With --domain the
 prompts come from a domain file (e.g. the demo's copy domain, written by
@@ -22,16 +22,18 @@ import statistics
 from pathlib import Path
 
 import torch
-from harness import hf_greedy, run_interleaved  # noqa: E402 (benchmarks/ is the script directory)
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
+from benchmarks.harness import hf_greedy, run_interleaved
 from draftsmith.proposers import load_proposer
-from draftsmith.verify import SpeculativeDecoder
+from draftsmith.proposers.core.models import load_tokenizer
+from draftsmith.verify import SpeculativeDecoder, load_target
+from draftsmith.verify.evaluation.domains import load_domain
 
 
 def build_model(args) -> torch.nn.Module:
     if args.target:
-        return AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+        return load_target(args.target)[0]
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=4096,
@@ -77,11 +79,7 @@ def main() -> None:
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = 0
     if args.domain:
-        from transformers import AutoTokenizer
-
-        from draftsmith.verify.evaluation.domains import load_domain
-
-        tokenizer = AutoTokenizer.from_pretrained(args.target)
+        tokenizer = load_tokenizer(Path(args.target), "target")
         name = Path(args.domain).stem
         prompts = [p.input_ids for p in load_domain(name, args.domain, tokenizer, args.prompts, args.prompt_length)]
     else:

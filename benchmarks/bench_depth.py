@@ -12,9 +12,9 @@ is a real ``save_pretrained`` directory evaluated by ``draftsmith eval``'s own
 ``evaluate``, with the demo's own rows (``training.demo.run``: ``DEMO_PROPOSERS`` and the
 shipped heads); EAGLE heads are copied with the padded layer count in their config.
 
-    python benchmarks/bench_depth.py [--target recipes/models/demo_target] [--depths 8,16,24,32]
+    python -m benchmarks.bench_depth [--target recipes/models/demo_target] [--depths 8,16,24,32]
         [--domains prose,code] [--prompts 8] [--new-tokens 64] [--output outputs/bench/depth] [--json FILE]
-    python benchmarks/bench_depth.py --report FILE   # the tables of an earlier run
+    python -m benchmarks.bench_depth --report FILE   # the tables of an earlier run
 
 Greedy outputs must be identical to plain decoding at every depth, and every method's
 tau the same at every depth (same function, same drafts): both are checked.

@@ -11,7 +11,7 @@ draft length unless --hf-k is given (transformers: up to 20 tokens, cut where th
 draft's confidence drops under an adaptive threshold starting at 0.4); ours drafts up to
 --k tokens, cut after a token whose draft probability is under --confidence-threshold.
 
-    python benchmarks/bench_draft.py [--target recipes/models/demo_target] [--draft recipes/models/demo_draft]
+    python -m benchmarks.bench_draft [--target recipes/models/demo_target] [--draft recipes/models/demo_draft]
         [--domains outputs/demo/domains/code.jsonl outputs/demo/domains/prose.jsonl]
         [--prompts 6] [--prompt-tokens 128] [--new-tokens 96] [--k 6] [--confidence-threshold 0.4]
         [--threads 1] [--compile] [--json FILE]
@@ -28,11 +28,13 @@ import statistics
 from pathlib import Path
 
 import torch
-from harness import hf_greedy, run_interleaved  # noqa: E402 (benchmarks/ is the script directory)
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks.harness import hf_greedy, run_interleaved
 from draftsmith.proposers import load_proposer
-from draftsmith.verify import SpeculativeDecoder
+from draftsmith.proposers.draft_model import load_draft_model
+from draftsmith.training.demo.run import heldout_documents
+from draftsmith.verify import SpeculativeDecoder, load_target
+from draftsmith.verify.evaluation.demo import build_domains
 from draftsmith.verify.evaluation.domains import load_domain
 
 
@@ -40,9 +42,6 @@ def load_prompts(args, tokenizer, max_positions: int) -> list[torch.Tensor]:
     """``--prompts`` prompts per domain file, cut to ``--prompt-tokens``, domains interleaved."""
     paths = [Path(p) for p in args.domains]
     if not all(p.is_file() for p in paths):
-        from draftsmith.training.demo.run import heldout_documents
-        from draftsmith.verify.evaluation.demo import build_domains
-
         built = build_domains(heldout_documents(Path(args.target)), paths[0].parent, args.prompts, prompt_chars=4 * args.prompt_tokens)
         print(f"domain files written: {sorted(built.values())}")
     per_domain = [load_domain(p.stem, p, tokenizer, args.prompts, args.prompt_tokens, max_positions) for p in paths]
@@ -66,9 +65,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target, tokenizer = load_target(args.target)
+    draft = load_draft_model(args.draft)
     for model in (target, draft):  # fixed-length outputs: no early stop on EOS
         model.generation_config.eos_token_id = None
         model.generation_config.pad_token_id = tokenizer.pad_token_id

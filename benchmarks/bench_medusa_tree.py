@@ -7,7 +7,7 @@ For each tree and domain: tau (tokens per target forward over all prompts), outp
 token-identical to plain decoding, and the median speedup over plain decoding, timed
 interleaved prompt by prompt.
 
-    python benchmarks/bench_medusa_tree.py [--target recipes/models/demo_target] [--heads recipes/models/demo_medusa]
+    python -m benchmarks.bench_medusa_tree [--target recipes/models/demo_target] [--heads recipes/models/demo_medusa]
         [--domains outputs/demo/domains/code.jsonl outputs/demo/domains/prose.jsonl outputs/demo/domains/copy.jsonl]
         [--budgets 8 16 32] [--widths 2 3 4] [--prompts 8] [--prompt-tokens 128] [--new-tokens 64] [--threads 1] [--json FILE]
 """
@@ -19,12 +19,11 @@ import json
 from pathlib import Path
 
 import torch
-from harness import run_interleaved  # noqa: E402 (benchmarks/ is the script directory)
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks.harness import run_interleaved
 from draftsmith.proposers.core.static_tree import cartesian_paths
 from draftsmith.proposers.medusa import MedusaProposer
-from draftsmith.verify import SpeculativeDecoder
+from draftsmith.verify import SpeculativeDecoder, load_target
 from draftsmith.verify.evaluation.domains import load_domain
 
 
@@ -48,8 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target, tokenizer = load_target(args.target)
     positions = target.config.max_position_embeddings
     plain = SpeculativeDecoder(target)
     n = args.new_tokens

@@ -11,7 +11,7 @@ step's cost is the median over ``--steps`` steps of propose + observe; the promp
 insertion (``begin``), once per request, is reported apart. n-gram lookup (an index kept
 incrementally) runs the same replay as a reference.
 
-    python benchmarks/bench_suffix.py [--target recipes/models/demo_target] [--contexts 256 512 1024 2048 4096]
+    python -m benchmarks.bench_suffix [--target recipes/models/demo_target] [--contexts 256 512 1024 2048 4096]
         [--steps 300] [--earlier 16] [--json FILE]
 """
 
@@ -24,8 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
+from draftsmith.proposers.core.models import load_tokenizer
 from draftsmith.proposers.core.sampling import SamplingParams
 from draftsmith.proposers.core.types import ProposeContext, VerifyResult
 from draftsmith.proposers.ngram import NgramProposer
@@ -82,7 +81,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    tokenizer = load_tokenizer(Path(args.target), "target")
     docs = heldout_documents(Path(args.target))
     texts = [d.text for pair in zip(docs["code"], docs["prose"], strict=False) for d in pair]
     encoded = [tokenizer(t, add_special_tokens=False, verbose=False).input_ids for t in texts]

@@ -12,7 +12,7 @@ its own venv (torch first, then the build tools, then the package without build 
     python -m venv .venv-arctic && . .venv-arctic/bin/activate && pip install torch==2.13.0
     pip install setuptools wheel ninja cmake nanobind==2.9.2 protobuf==5.29.6 grpcio-tools numpy
     pip install --no-build-isolation --no-deps arctic-inference==0.3.0 && pip install -e .
-    python benchmarks/bench_suffix_peer.py [--output outputs/suffix_peer] [--prompts 8]
+    python -m benchmarks.bench_suffix_peer [--output outputs/suffix_peer] [--prompts 8]
 
 (0.3.0's ``speculate`` needs ``max_spec_tokens`` given: without it, it reads an attribute
 that does not exist.)

@@ -14,6 +14,7 @@ only as ``draftsmith.*``: a wheel holds one top-level package.
 from __future__ import annotations
 
 import ast
+import importlib
 import shutil
 import subprocess
 import sys
@@ -230,3 +231,20 @@ def test_no_file_of_the_project_runs_past_450_lines():
     assert len(texts) > 60
     long = {str(path.relative_to(REPO)): n for path in texts if path.is_file() and (n := len(path.read_text().splitlines())) > 450}
     assert not long, long
+
+
+BENCHMARKS = sorted(p for p in (REPO / "benchmarks").glob("*.py") if p.name != "__init__.py")
+
+
+@pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.stem)
+def test_benchmarks_are_modules_that_import_the_project_at_the_top(path):
+    """``python -m benchmarks.<name>``: the helper as ``benchmarks.harness``, the project as ``draftsmith.*``, at the top."""
+    module = importlib.import_module(f"benchmarks.{path.stem}")
+    assert path.stem == "harness" or callable(getattr(module, "main", None))
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lazy = [n for n in ast.walk(node) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith(("draftsmith", "benchmarks"))]
+            assert not lazy, f"{path.name}:{lazy[0].lineno} imports the project inside {node.name}"
+        if isinstance(node, ast.ImportFrom) and node.module == "harness":
+            pytest.fail(f"{path.name}:{node.lineno} imports harness by the script path: use benchmarks.harness")
