@@ -9,7 +9,6 @@ to the module's own state, and ``check_fits_target`` the shape to the target's.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from .errors import InputError
+from .files import read_json_object
 from .models import output_vocab_size
 
 WEIGHTS = "model.safetensors"
@@ -57,16 +57,10 @@ def read_config_file(path: str | Path, what: str) -> dict[str, Any]:
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{what} directory {path} does not exist (no hub downloads: give a local directory)")
-    file = path / CONFIG
     try:
-        config = json.loads(file.read_text(encoding="utf-8"))
+        return read_json_object(path / CONFIG, f"{what} config")
     except FileNotFoundError:
         raise InputError(f"{what} directory {path} has no {CONFIG}") from None
-    except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise InputError(f"{what} config {file} is not valid JSON: {error}") from error
-    if not isinstance(config, dict):
-        raise InputError(f"{what} config {file} must hold a JSON object")
-    return config
 
 
 def read_checkpoint(path: str | Path, what: str, weights: tuple[str, ...] = (WEIGHTS,)) -> Checkpoint:

@@ -8,6 +8,7 @@ happens in a hidden sibling that is renamed into place when it is complete.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -111,6 +112,21 @@ def read_text(path: str | Path, what: str = "file", max_bytes: int | None = None
         if max_bytes is not None and len(data) == max_bytes and err.start >= len(data) - 3:
             return data[: err.start].decode("utf-8")  # the read stopped inside a character
         raise InputError(f"{what} {path} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start})") from None
+
+
+def read_json_object(file: str | Path, what: str) -> dict:
+    """The JSON object in ``file``; one InputError naming it when it is not valid JSON or not an object (a missing file raises FileNotFoundError)."""
+    file = Path(file)
+    try:
+        values = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise InputError(f"{what} {file} is not valid JSON: {first}") from error
+    if not isinstance(values, dict):
+        raise InputError(f"{what} {file} must hold a JSON object, got {type(values).__name__}")
+    return values
 
 
 def check_writable(directory: str | Path, what: str = "output directory") -> Path:

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 from transformers.cache_utils import DynamicLayer
 
 from .errors import InputError
+from .files import read_json_object
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 POSITION_KEYS = ("max_position_embeddings", "n_positions")  # where configs state their positions (GPT-2: n_positions)
@@ -35,12 +36,10 @@ def load_causal_lm(path: Path, role: str, **kwargs) -> nn.Module:
     """
     config_file = path / "config.json"
     try:
-        values = json.loads(config_file.read_text(encoding="utf-8"))
+        values = read_json_object(config_file, f"{role} config")
     except FileNotFoundError:
         raise InputError(f"{role} directory {path} has no config.json (expected a save_pretrained model directory)") from None
-    except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise InputError(f"{role} config {config_file} is not valid JSON: {_first_line(error)}") from error
-    if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
+    if not isinstance(values.get("model_type"), str):
         raise InputError(f"{role} config {config_file} has no model_type (a save_pretrained config.json names its architecture)")
     try:
         config = AutoConfig.from_pretrained(path)
