@@ -69,6 +69,10 @@ class CompositeProposer(ProposerBase):
         for member in self.members:
             member.observe(result, features)
 
+    def draft_depth(self) -> int | None:
+        depths = [member.draft_depth() for member in self.members]
+        return None if None in depths else max(depths)
+
     def reset(self) -> None:
         """Reset every member that keeps state across requests."""
         for member in self.members:

@@ -126,6 +126,9 @@ class DraftModelProposer(ProposerBase):
         self._pending: tuple[int, list[int]] | None = None  # (committed tokens, tree node of each draft node) of the last propose
         self._fed: list[int] = []  # tree nodes fed into the cache after the committed tokens, in cache order
 
+    def draft_depth(self) -> int:
+        return self.k_max if self.dynamic else self.k
+
     def transformers_peer(self) -> TransformersPeer:
         """transformers' assisted generation with the same draft model."""
         return TransformersPeer("hf_assisted", {"assistant_model": self.model})

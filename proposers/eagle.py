@@ -103,6 +103,9 @@ class EagleProposer(ProposerBase):
         self._features: list[torch.Tensor] = []  # [rows, feature] blocks of positions not yet fed, in order
         self._fed = 0  # draft entries fed with the target's own features (positions 0 .. fed - 1)
 
+    def draft_depth(self) -> int:
+        return self.k
+
     def export(self, out_dir: str | Path, format: str = "vllm") -> EngineExport:
         """Write the head in the layout vLLM and SGLang load (its native one), checked tensor by tensor and field by field.
 

@@ -69,6 +69,9 @@ class MedusaProposer(ProposerBase):
         self.tree = _choose_tree(tree, self.calibration, max_nodes, model.num_heads)
         self._hidden: torch.Tensor | None = None  # final hidden state of the last committed position the target scored
 
+    def draft_depth(self) -> int:
+        return self.tree.depth
+
     def begin(self, prompt: list[int], features: TargetFeatures | None) -> None:
         self._hidden = _last_state(features)
 

@@ -101,6 +101,9 @@ class MtpProposer(ProposerBase):
         self.caches: list[PreallocatedLayer] = []
         self.target, self.tokenizer = target, tokenizer  # for export, which writes the target with the modules
 
+    def draft_depth(self) -> int:
+        return self.k
+
     def export(self, out_dir: str | Path, format: str = "vllm") -> EngineExport:
         """The target with these modules in MiMo's layout, which vLLM serves with ``method: mtp`` (that directory is the model).
 

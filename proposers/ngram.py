@@ -62,6 +62,9 @@ class NgramProposer(ProposerBase):
         self._index: dict[tuple[int, ...], list[int]] = {}
         self._indexed = 0
 
+    def draft_depth(self) -> int:
+        return self.k
+
     def begin(self, prompt: list[int], features: TargetFeatures | None) -> None:
         self._index = {}
         self._indexed = 0

@@ -111,6 +111,9 @@ class SuffixProposer(ProposerBase):
 
     # -- lifecycle ---------------------------------------------------------------------
 
+    def draft_depth(self) -> int:
+        return self.k
+
     def reset(self) -> None:
         """Forget every request seen since construction (the global store goes back to ``store``)."""
         self.cache = SuffixTrie(self.depth)

@@ -36,7 +36,7 @@ def exact_law(target, sampling: SamplingParams) -> dict:
 
 def sample_law(target, proposer, sampling: SamplingParams, n: int) -> tuple[Counter, list[int]]:
     """Counts of the 3 decoded tokens over n seeded requests, and the tokens accepted in each first step."""
-    decoder = SpeculativeDecoder(target, proposer)
+    decoder = SpeculativeDecoder(target, proposer, adaptive=False)
     counts: Counter = Counter()
     accepted: list[int] = []
     for seed in range(n):

@@ -185,7 +185,9 @@ def test_the_check_catches_a_wrong_import(module, source, why):
 
 def test_entry_points_may_import_lazily_and_relative_imports_resolve():
     assert not violations("def run():\n    from draftsmith.training.train import run\n", "draftsmith.training.cli")
-    assert imports("from ..proposers.core.types import Draft\n", "draftsmith.verify.target") == [(1, "draftsmith.proposers.core.types", False)]
+    assert imports("from ..proposers.core.types import Draft\n", "draftsmith.verify.target") == [
+        (1, "draftsmith.proposers.core.types", False)
+    ]
     assert imports("from . import mtp_head\n", "draftsmith.proposers.mtp") == [(1, "draftsmith.proposers.mtp_head", False)]
     assert not violations("from .eagle_head import load_draft\nfrom .core.tree import grow_dynamic_tree\n", "draftsmith.proposers.eagle")
     assert not violations("from .registry import load_proposer\n", "draftsmith.proposers.composite")
@@ -244,7 +246,9 @@ def test_benchmarks_are_modules_that_import_the_project_at_the_top(path):
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            lazy = [n for n in ast.walk(node) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith(("draftsmith", "benchmarks"))]
+            lazy = [
+                n for n in ast.walk(node) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith(("draftsmith", "benchmarks"))
+            ]
             assert not lazy, f"{path.name}:{lazy[0].lineno} imports the project inside {node.name}"
         if isinstance(node, ast.ImportFrom) and node.module == "harness":
             pytest.fail(f"{path.name}:{node.lineno} imports harness by the script path: use benchmarks.harness")

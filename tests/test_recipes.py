@@ -29,7 +29,9 @@ def test_engine_check_recipes_validate(path):
     assert config.proposers and config.engine.requirements
 
 
-@pytest.mark.parametrize("path", sorted(p for p in (RECIPES / "eval").glob("*.yaml") if not p.name.startswith("engine_check")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted(p for p in (RECIPES / "eval").glob("*.yaml") if not p.name.startswith("engine_check")), ids=lambda p: p.name
+)
 def test_eval_recipes_validate(path):
     assert EvalConfig.from_yaml(path).domains
 

@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--domains-only", action="store_true", help="write the domain files under OUTPUT_DIR/domains and stop")
     demo.set_defaults(run=run_demo)
 
-    cap = commands.add_parser("capture", help="write a training recipe's target features once, as safetensors shards (capture.mode: offline)")
+    cap = commands.add_parser(
+        "capture", help="write a training recipe's target features once, as safetensors shards (capture.mode: offline)"
+    )
     cap.add_argument("--config", required=True, help="the training recipe (its target, data, type and capture keys)")
     cap.add_argument("overrides", nargs="*", help="key=value overrides of recipe keys")
     cap.set_defaults(run=run_capture)

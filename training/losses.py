@@ -93,7 +93,7 @@ def check_loss(name: str, allowed: tuple[str, ...]) -> str:
 
 
 def decayed_mean(terms: list[torch.Tensor], decay: float) -> torch.Tensor:
-    """``sum_j decay**j * terms[j] / sum_j decay**j``: one loss per draft depth (a head, a module, an unrolled step), the deeper ones weighed down.
+    """``sum_j decay**j * terms[j] / sum_j decay**j``: one loss per draft depth (a head, a module, an unrolled step).
 
     Deeper guesses are accepted only when every shallower one was, so their loss counts less
     (Medusa, Cai et al. 2024; the MTP modules and EAGLE-3's unrolled steps alike).

@@ -57,7 +57,6 @@ def load_frozen_target(cfg: TrainConfig, device: torch.device):
     return target.eval().requires_grad_(False), tokenizer
 
 
-
 def train(cfg: TrainConfig, interrupt_after_steps: int = 0) -> Path:
     """Train the recipe's draft, export it and return ``output_dir``; resumes from ``run_dir`` when it holds checkpoints."""
     objective = make_objective(cfg)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numbers
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
@@ -22,6 +22,7 @@ from draftsmith.proposers.core.sampling import SamplingParams
 from draftsmith.proposers.core.tree import node_depths, prune_depth, validate_draft
 from draftsmith.proposers.core.types import Draft, ProposeContext, TargetFeatures, VerifyResult
 
+from .controller import Controller, Plan
 from .rejection import rejection_sample
 from .stats import DecodeStats
 from .target import Target, TargetOutput
@@ -34,10 +35,34 @@ class DecodeResult:
     Args:
         new_tokens: the generated token ids (prompt excluded), EOS included if hit.
         stats: counters and timings.
+        controller: the speculation controller's estimates at the end of the request
+            (``Controller.snapshot``: costs in ms, acceptance by depth, steps planned per
+            depth); None without a controller.
     """
 
     new_tokens: list[int]
     stats: DecodeStats
+    controller: dict | None = None
+
+
+@dataclass(frozen=True)
+class DraftStep:
+    """One step's plan, the draft to verify, and the indices it keeps of what the proposer drafted (None: all).
+
+    Args:
+        draft_seconds: the proposer's own time drafting it.
+    """
+
+    plan: Plan
+    draft: Draft
+    kept: list[int] | None = None
+    draft_seconds: float = 0.0
+
+    def as_proposed(self, result: VerifyResult) -> VerifyResult:
+        """``result`` with the accepted nodes numbered as the proposer drafted them (what its ``observe`` expects)."""
+        if self.kept is None:
+            return result
+        return replace(result, accepted_nodes=[self.kept[i] for i in result.accepted_nodes])
 
 
 @dataclass(frozen=True)
@@ -78,6 +103,12 @@ class SpeculativeDecoder:
             each new input kind compiles for seconds, which only a long run wins back;
             ``benchmarks/RESULTS.md``). Needs the lean forward and the preallocated cache;
             without them it is ignored with a logged reason.
+        adaptive: let the speculation controller (``verify.controller``) decide each step
+            how deep to draft, down to a plain step, and which nodes to verify, from the
+            costs and acceptance it measures (on by default); False drafts with the
+            proposer's fixed config every step, as a paper's setting would. Either way the
+            output is exact; with it, which tokens a seed gives at temperature > 0 also
+            depends on the measured costs (the law does not).
     """
 
     def __init__(
@@ -87,6 +118,7 @@ class SpeculativeDecoder:
         preallocated_cache: bool | None = None,
         lean_forward: bool | None = None,
         compile_forward: bool = False,
+        adaptive: bool = True,
     ):
         check_full_attention(model, "target")
         self.model = model.eval()
@@ -98,6 +130,8 @@ class SpeculativeDecoder:
         proposer_vocab = proposer.vocab_size if proposer is not None else None
         if proposer_vocab is not None and proposer_vocab != self.vocab_size:
             raise InputError(f"proposer vocabulary size {proposer_vocab} differs from the target's {self.vocab_size}")
+        # one controller per decoder: the costs it learns are this machine's, across requests
+        self.controller = Controller(self.proposer.draft_depth()) if self.proposer is not None and adaptive else None
 
     def generate(
         self,
@@ -135,6 +169,7 @@ class SpeculativeDecoder:
         proposer = self.proposer
         target = Target(self.model, proposer.hidden_layers if proposer is not None else (), self.preallocate, self.forward)
         stats = DecodeStats()
+        controller_before = self.controller.seconds if self.controller is not None else 0.0
         start = time.perf_counter()
 
         out = target.prefill(input_ids, capacity=len(prompt) + max_new_tokens + CACHE_HEADROOM)
@@ -151,8 +186,9 @@ class SpeculativeDecoder:
 
         while len(new_tokens) < max_new_tokens and last not in eos:
             tick = time.perf_counter()
-            # 1. propose
-            draft = self._propose(tokens, max_new_tokens - len(new_tokens), sampling, generator, target)
+            # 0. plan and 1. propose: how deep to draft (0: a plain step), the draft, the nodes worth a row
+            step = self._propose(tokens, max_new_tokens - len(new_tokens), sampling, generator, target)
+            draft, context = step.draft, len(tokens)
             tock = time.perf_counter()
             # 2. score: root + every draft node in one target forward
             out = target.score(tokens[-1], draft)
@@ -162,7 +198,7 @@ class SpeculativeDecoder:
             # 4. commit
             target.commit(result.accepted_nodes)
             if proposer is not None:
-                proposer.observe(result, _path_features(out, result))
+                proposer.observe(step.as_proposed(result), _path_features(out, result))
             emitted = _extend(tokens, new_tokens, result.committed, max_new_tokens, eos)
             last = new_tokens[-1]
             stats.target_forwards += 1
@@ -170,21 +206,37 @@ class SpeculativeDecoder:
             stats.draft_time += tock - tick
             stats.score_time += scored - tock
             stats.verify_time += time.perf_counter() - tock
+            if self.controller is not None:
+                stats.planned_plain_steps += step.plan.depth == 0
+                self.controller.observe(step.plan, draft, result, context, step.draft_seconds, time.perf_counter() - tick, sampling.greedy)
 
         stats.new_tokens = len(new_tokens)
         stats.total_time = time.perf_counter() - start
-        return DecodeResult(new_tokens, stats)
+        if self.controller is None:
+            return DecodeResult(new_tokens, stats)
+        stats.controller_time = self.controller.seconds - controller_before
+        return DecodeResult(new_tokens, stats, self.controller.snapshot())
 
-    def _propose(self, tokens, remaining, sampling, generator, target) -> Draft:
-        """Ask the proposer for a draft no deeper than the output and the positions allow."""
+    def _propose(self, tokens, remaining, sampling, generator, target) -> DraftStep:
+        """Plan the step, and ask the proposer for a draft no deeper than the plan, the output and the positions allow."""
         max_depth = remaining - 1
         if target.max_positions is not None:
             max_depth = min(max_depth, target.max_positions - len(tokens))
         if self.proposer is None or max_depth < 1:
-            return Draft.empty()
-        draft = self.proposer.propose(ProposeContext(tokens, max_depth, sampling, generator))
+            return DraftStep(Plan(0), Draft.empty())
+        controller = self.controller
+        plan = controller.plan(len(tokens), max_depth) if controller is not None else Plan(max_depth)
+        if plan.depth == 0:
+            return DraftStep(plan, Draft.empty())
+        tick = time.perf_counter()
+        draft = self.proposer.propose(ProposeContext(tokens, plan.depth, sampling, generator))
+        seconds = time.perf_counter() - tick
         validate_draft(draft, self.vocab_size)
-        return prune_depth(draft, max_depth)
+        draft = prune_depth(draft, plan.depth)
+        if controller is None or plan.probe:  # a probe verifies the whole draft: what trimming would hide is what it learns from
+            return DraftStep(plan, draft, None, seconds)
+        trimmed, kept = controller.trim(draft, len(tokens), sampling.greedy or draft.draft_probs is None)
+        return DraftStep(plan, trimmed, kept, seconds)
 
     def check_request(self, input_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id) -> Request:
         """Check every argument of ``generate`` against this target; raise ``InputError`` naming the first bad one."""

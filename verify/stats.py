@@ -44,10 +44,12 @@ class DecodeStats:
     ``steps_by_source`` / ``accepted_by_source``: for drafts that name their source
     (``Draft.source``, a composite's member), the steps each source drafted and the
     accepted draft tokens it emitted.
-    Timings (seconds): ``draft_time`` the proposer's calls; ``verify_time`` the rest of
+    ``planned_plain_steps``: steps the speculation controller planned as plain steps (no
+    draft asked for); ``drafted_tokens`` / ``steps`` is the mean of the nodes verified.
+    Timings (seconds): ``draft_time`` the proposer's calls (and the controller's planning); ``verify_time`` the rest of
     each step (the target's forward, acceptance, commit, observe), of which ``score_time``
     is the target's forward alone; ``total_time`` the whole request; ``ttft`` up to the
-    first token.
+    first token; ``controller_time`` the controller's own work (included in the others).
     """
 
     requests: int = 0
@@ -62,11 +64,13 @@ class DecodeStats:
     accepted_by_depth: list[int] = field(default_factory=list)
     steps_by_source: dict[str, int] = field(default_factory=dict)
     accepted_by_source: dict[str, int] = field(default_factory=dict)
+    planned_plain_steps: int = 0
     draft_time: float = 0.0
     verify_time: float = 0.0
     score_time: float = 0.0
     total_time: float = 0.0
     ttft: float = 0.0
+    controller_time: float = 0.0
 
     @property
     def tau(self) -> float:

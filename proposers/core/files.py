@@ -115,7 +115,10 @@ def read_text(path: str | Path, what: str = "file", max_bytes: int | None = None
 
 
 def read_json_object(file: str | Path, what: str) -> dict:
-    """The JSON object in ``file``; one InputError naming it when it is not valid JSON or not an object (a missing file raises FileNotFoundError)."""
+    """The JSON object in ``file``; one InputError naming it when it is not valid JSON or not an object.
+
+    A missing file raises FileNotFoundError, for the caller to name what was expected there.
+    """
     file = Path(file)
     try:
         values = json.loads(file.read_text(encoding="utf-8"))

@@ -41,6 +41,9 @@ class Proposer(Protocol):
     def reset(self) -> None:
         """Forget what was learned across requests (evaluation calls it after its warm-up)."""
 
+    def draft_depth(self) -> int | None:
+        """The deepest it drafts (its ``k``; the speculation controller plans depths up to it); None: no fixed limit."""
+
     def transformers_peer(self) -> TransformersPeer | None:
         """transformers' own version of this method, for side-by-side evaluation (None: it has none)."""
 
@@ -58,6 +61,9 @@ class ProposerBase:
     vocab_size: int | None = None
 
     def reset(self) -> None:
+        return None
+
+    def draft_depth(self) -> int | None:
         return None
 
     def transformers_peer(self) -> TransformersPeer | None:

@@ -46,6 +46,8 @@ def validate_draft(draft: Draft, vocab_size: int) -> None:
     if token_list and not (0 <= min(token_list) and max(token_list) < vocab_size):
         i = next(i for i, t in enumerate(token_list) if not 0 <= t < vocab_size)
         raise ValueError(f"draft node {i} has token id {token_list[i]}, outside the vocabulary [0, {vocab_size})")
+    if draft.scores is not None and len(draft.scores) != len(token_list):
+        raise ValueError(f"draft scores must hold one value per node ({len(token_list)}), got {len(draft.scores)}")
     if draft.draft_probs is not None:
         _validate_probs(draft.draft_probs, tokens, vocab_size)
 
@@ -110,12 +112,25 @@ def keep_nodes(draft: Draft, keep: list[int]) -> Draft:
     """The sub-draft of the nodes ``keep`` (ascending, closed under ancestors), parents renumbered."""
     if not keep:
         return Draft.empty()
-    parents = draft.parent_list
+    parents, tokens = draft.parent_list, draft.token_ids.tolist()  # small lists: cheaper than tensor indexing
     new_index = {old: new for new, old in enumerate(keep)}
     new_parents = torch.tensor([new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep], dtype=torch.long)
-    keep_t = torch.tensor(keep, dtype=torch.long)
-    probs = draft.draft_probs.index_select(0, keep_t) if draft.draft_probs is not None else None
-    return Draft(draft.token_ids.index_select(0, keep_t), new_parents, probs, draft.source)
+    probs = draft.draft_probs.index_select(0, torch.tensor(keep, dtype=torch.long)) if draft.draft_probs is not None else None
+    scores = [draft.scores[i] for i in keep] if draft.scores is not None else None
+    return Draft(torch.tensor([tokens[i] for i in keep], dtype=torch.long), new_parents, probs, draft.source, scores)
+
+
+def limit_draft(draft: Draft, max_depth: int, max_nodes: int | None = None) -> Draft:
+    """``draft`` without the nodes deeper than ``max_depth`` or past the first ``max_nodes`` (in draft order).
+
+    Parents come before children, so the first nodes are closed under ancestors; and a
+    node's place in the order depends only on the nodes drawn before it, never on its own
+    value, so the cut keeps a sampled tree's law (``grow_dynamic_tree``'s draw budget).
+    """
+    draft = prune_depth(draft, max_depth)
+    if max_nodes is None or draft.num_nodes <= max_nodes:
+        return draft
+    return keep_nodes(draft, list(range(max_nodes)))
 
 
 def merge_drafts(drafts: list[Draft], max_nodes: int, source: str | None = None) -> Draft:
@@ -239,6 +254,7 @@ class DraftTree:
             torch.tensor(self.tokens, dtype=torch.long),
             torch.tensor(self.parents, dtype=torch.long),
             torch.stack(self.rows) if self.rows else None,
+            scores=list(self.confidences),
         )
         return draft if keep is None else keep_nodes(draft, keep)
 

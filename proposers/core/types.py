@@ -28,12 +28,17 @@ class Draft:
             proposal (lookup, top-k children): the verifier treats each node as a point mass.
         source: which proposer drafted it, when one proposer holds several (a composite's
             member); the decoder counts steps and accepted tokens per source.
+        scores: ``[n]`` or None: the draft's own confidence in each node, the probability it
+            gave the node's token after the node's parent (the raw softmax for a
+            deterministic node). The speculation controller calibrates these into
+            acceptance estimates (``verify.controller``); None: the proposer has no such value.
     """
 
     token_ids: torch.Tensor
     parents: torch.Tensor
     draft_probs: torch.Tensor | None = None
     source: str | None = None
+    scores: list[float] | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -58,6 +63,14 @@ class Draft:
         """``parents`` as a Python list, converted once per draft (the verifier walks it)."""
         return self.parents.tolist()
 
+    @cached_property
+    def depth_list(self) -> list[int]:
+        """Each node's depth (1 for the root's children), computed once per draft."""
+        depths: list[int] = []
+        for p in self.parent_list:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return depths
+
 
 _EMPTY_DRAFT = Draft(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
 
@@ -70,8 +83,11 @@ class ProposeContext:
         tokens: every committed token so far (prompt + generated), the last one not yet
             scored by the target. The decoder's own list, valid during the call: copy
             what you keep.
-        max_depth: the deepest node the verifier will keep (room left in the output
-            and in the model's positions); deeper nodes are pruned.
+        max_depth: the deepest node the verifier will keep (room left in the output and in
+            the model's positions, or the speculation controller's depth for this step);
+            deeper nodes are pruned, so a proposer saves work by drafting no deeper.
+        max_nodes: the most nodes the verifier will keep this step (the controller's node
+            budget; None: no limit). Nodes past it in draft order are dropped.
         sampling: the processing to apply to draft distributions.
         generator: the request's seeded generator, for proposers that sample.
     """
@@ -80,6 +96,7 @@ class ProposeContext:
     max_depth: int
     sampling: SamplingParams
     generator: torch.Generator | None = None
+    max_nodes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ def test_merge_unites_trees_under_the_budget():
 
 def test_stats_count_steps_and_accepted_tokens_per_member(model, draft_dirs):
     members = [SUFFIX, {"type": "draft_model", "model": draft_dirs["big"], "k": 3}]
-    decoder = SpeculativeDecoder(model, CompositeProposer(members, target=model))
+    decoder = SpeculativeDecoder(model, CompositeProposer(members, target=model), adaptive=False)
     prompt = torch.tensor([[5, 9, 13, 5, 9, 13, 5, 9]])
     first = decoder.generate(prompt, max_new_tokens=30)
     result = decoder.generate(prompt, max_new_tokens=30)  # the suffix member has the first output now
@@ -70,7 +70,9 @@ def test_stats_count_steps_and_accepted_tokens_per_member(model, draft_dirs):
 @pytest.mark.parametrize("second", ["ngram", "draft_model"])
 def test_greedy_output_is_plain(model, draft_dirs, policy, second):
     other = {"type": "ngram"} if second == "ngram" else {"type": "draft_model", "model": draft_dirs["big"], "k": 3}
-    decoder = SpeculativeDecoder(model, load_proposer({"type": "composite", "proposers": [SUFFIX, other], "policy": policy}, target=model))
+    decoder = SpeculativeDecoder(
+        model, load_proposer({"type": "composite", "proposers": [SUFFIX, other], "policy": policy}, target=model), adaptive=False
+    )
     plain = SpeculativeDecoder(model)
     generator = torch.Generator().manual_seed(1)
     base = torch.randint(3, 128, (10,), generator=generator)

@@ -91,7 +91,7 @@ def test_greedy_is_token_identical_to_generate(config, draft_name, model, drafts
     proposer = DraftModelProposer(drafts[draft_name], k=4, target=model, **CONFIGS[config])
     # a stock Llama passes the lean probe (unless the environment turns fast paths off)
     assert (proposer.lean is None) == (config.startswith("wrapper") or not fast_path_enabled(None))
-    result = SpeculativeDecoder(model, proposer).generate(prompt, max_new_tokens=MAX_NEW)
+    result = SpeculativeDecoder(model, proposer, adaptive=False).generate(prompt, max_new_tokens=MAX_NEW)
     assert result.new_tokens == reference
     stats = result.stats
     mean_depth = stats.drafted_tokens / stats.steps if config.endswith("chain") else None
@@ -177,7 +177,7 @@ def test_draft_cache_holds_exactly_the_committed_tokens(config, temperature, mod
 
     monkeypatch.setattr(proposer, "propose", checked_propose)
     monkeypatch.setattr(proposer, "observe", checked_observe)
-    result = SpeculativeDecoder(model, proposer).generate(prompt, max_new_tokens=16, temperature=temperature, seed=0)
+    result = SpeculativeDecoder(model, proposer, adaptive=False).generate(prompt, max_new_tokens=16, temperature=temperature, seed=0)
     assert len(contexts) > 3 and result.stats.drafted_tokens > 0
     # Both cases happened: accepted guesses kept, fed guesses dropped.
     assert any(kept > 0 for kept, _ in steps) and any(kept < fed for kept, fed in steps), steps
@@ -280,7 +280,7 @@ def test_load_proposer_builds_a_draft_model_from_a_directory(checkpoints, prompt
     target = checkpoints["target"]
     proposer = load_proposer({"type": "draft_model", "model": checkpoints["draft"]}, target=target)
     assert isinstance(proposer, DraftModelProposer) and proposer.vocab_size == 128 and proposer.k == 4
-    assert SpeculativeDecoder(target, proposer).generate(prompt, max_new_tokens=MAX_NEW).new_tokens == reference
+    assert SpeculativeDecoder(target, proposer, adaptive=False).generate(prompt, max_new_tokens=MAX_NEW).new_tokens == reference
 
 
 def test_config_keys_are_the_constructor_arguments(checkpoints):
@@ -381,7 +381,7 @@ def test_vllm_export_round_trip(tied, model, drafts, tmp_path):
     again = DraftModelProposer(back, k=5, target=model)
     prompt = torch.tensor([[1, 5, 9, 5, 9, 17]])
     plain = SpeculativeDecoder(model).generate(prompt, max_new_tokens=12).new_tokens
-    assert SpeculativeDecoder(model, again).generate(prompt, max_new_tokens=12).new_tokens == plain
+    assert SpeculativeDecoder(model, again, adaptive=False).generate(prompt, max_new_tokens=12).new_tokens == plain
 
 
 def test_vllm_export_warns_about_what_the_engine_does_not_draft_and_refuses_bad_requests(model, drafts, tmp_path):

@@ -176,7 +176,7 @@ def test_eagle1_training_row_equals_the_first_draft_level(make_llama):
 def test_greedy_is_token_identical_to_plain(arch, variant, targets, drafts):
     target = targets[arch]
     proposer = EagleProposer(drafts(arch, variant), target=target, **VARIANTS[variant][2])
-    plain, eagle = SpeculativeDecoder(target), SpeculativeDecoder(target, proposer)
+    plain, eagle = SpeculativeDecoder(target), SpeculativeDecoder(target, proposer, adaptive=False)
     accepted = 0
     for prompt in PROMPTS:
         ids = torch.tensor([prompt])
@@ -190,7 +190,7 @@ def test_greedy_identity_without_fast_paths(targets, drafts):
     target = targets["llama"]
     proposer = EagleProposer(drafts("llama", "eagle3"), target=target, **VARIANTS["eagle3"][2])
     plain = SpeculativeDecoder(target, preallocated_cache=False, lean_forward=False)
-    eagle = SpeculativeDecoder(target, proposer, preallocated_cache=False, lean_forward=False)
+    eagle = SpeculativeDecoder(target, proposer, preallocated_cache=False, lean_forward=False, adaptive=False)
     for prompt in PROMPTS:
         ids = torch.tensor([prompt])
         assert eagle.generate(ids, max_new_tokens=30).new_tokens == plain.generate(ids, max_new_tokens=30).new_tokens
@@ -250,7 +250,9 @@ def test_reduced_vocabulary_drafts_only_its_tokens(law_setup):
     allowed = set(draft.draft_to_target().tolist())
     proposer = EagleProposer(draft, target=target, k=2, tree_width=2)
     for seed in range(20):
-        result = SpeculativeDecoder(target, proposer).generate(torch.tensor([[1, 2, 7]]), max_new_tokens=3, temperature=1.0, seed=seed)
+        result = SpeculativeDecoder(target, proposer, adaptive=False).generate(
+            torch.tensor([[1, 2, 7]]), max_new_tokens=3, temperature=1.0, seed=seed
+        )
         assert result.stats.drafted_tokens > 0
     draft_rows = proposer._target_logits(torch.zeros(1, draft.cfg.hidden_size))
     assert set(torch.isfinite(draft_rows[0]).nonzero().flatten().tolist()) == allowed

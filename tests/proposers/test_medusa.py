@@ -63,7 +63,7 @@ def test_greedy_is_token_identical_to_plain(arch, fast_paths, architectures):
     target, heads = architectures[arch]
     proposer = MedusaProposer(heads, tree=TREE, target=target)
     plain = SpeculativeDecoder(target, preallocated_cache=fast_paths, lean_forward=fast_paths)
-    medusa = SpeculativeDecoder(target, proposer, preallocated_cache=fast_paths, lean_forward=fast_paths)
+    medusa = SpeculativeDecoder(target, proposer, preallocated_cache=fast_paths, lean_forward=fast_paths, adaptive=False)
     accepted = 0
     for prompt in PROMPTS:
         ids = torch.tensor([prompt])
@@ -86,7 +86,7 @@ def test_drafts_are_the_heads_top_guesses_after_the_last_accepted_position(archi
             seen.append(features.hidden_states[-1].shape[0] == result.num_accepted + 1)
 
     proposer = Recording(heads, tree=TREE, target=target)
-    SpeculativeDecoder(target, proposer).generate(torch.tensor([PROMPTS[0]]), max_new_tokens=12)
+    SpeculativeDecoder(target, proposer, adaptive=False).generate(torch.tensor([PROMPTS[0]]), max_new_tokens=12)
     assert seen and all(seen)  # root + accepted rows arrived every step
     hidden = torch.randn(heads.hidden_size)
     proposer._hidden = hidden
@@ -319,7 +319,9 @@ def test_a_checkpoint_with_missing_heads_is_refused(saved):
 
 def test_heads_for_another_target_are_refused(saved, make_llama):
     _, _, path = saved
-    with pytest.raises(InputError, match="Medusa heads trained for a target of hidden size 32, this target's is 64: they belong to another target"):
+    with pytest.raises(
+        InputError, match="Medusa heads trained for a target of hidden size 32, this target's is 64: they belong to another target"
+    ):
         MedusaProposer(path, target=make_llama(hidden_size=64))
     with pytest.raises(InputError, match="trained for a target of vocabulary 128, this target's is 200"):
         MedusaProposer(path, target=make_llama(vocab_size=200))

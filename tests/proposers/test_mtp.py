@@ -75,7 +75,7 @@ def test_drafts_equal_the_teacher_forced_modules_at_every_step(arch, targets, mo
     target = targets[arch]
     proposer = Checked(modules[arch], target)
     for prompt in random_prompts(3, seed=7):
-        SpeculativeDecoder(target, proposer).generate(prompt[None], max_new_tokens=30)
+        SpeculativeDecoder(target, proposer, adaptive=False).generate(prompt[None], max_new_tokens=30)
     assert proposer.checked >= 15
 
 
@@ -84,7 +84,7 @@ def test_drafts_equal_the_teacher_forced_modules_at_every_step(arch, targets, mo
 def test_greedy_is_token_identical_to_plain(arch, k, recursive, width, targets, modules):
     target = targets[arch]
     proposer = MtpProposer(modules[arch], k=k, recursive=recursive, tree_width=width, max_nodes=8, target=target)
-    decoder = SpeculativeDecoder(target, proposer)
+    decoder = SpeculativeDecoder(target, proposer, adaptive=False)
     plain = SpeculativeDecoder(target)
     accepted = 0
     for prompt in random_prompts(4, seed=3):
@@ -182,10 +182,10 @@ def test_native_layouts_load_and_draft_as_the_modules_written(layout, targets, m
         assert torch.equal(loaded.modules.state_dict()[name], tensor), name
     reference = MtpProposer(source, target=target)
     for prompt in random_prompts(3, seed=11):
-        drafted = SpeculativeDecoder(target, loaded).generate(prompt[None], max_new_tokens=24)
+        drafted = SpeculativeDecoder(target, loaded, adaptive=False).generate(prompt[None], max_new_tokens=24)
         assert (
             drafted.stats.accept_lengths
-            == SpeculativeDecoder(target, reference).generate(prompt[None], max_new_tokens=24).stats.accept_lengths
+            == SpeculativeDecoder(target, reference, adaptive=False).generate(prompt[None], max_new_tokens=24).stats.accept_lengths
         )
 
 

@@ -114,13 +114,13 @@ def test_draft_grows_with_the_match_and_comes_from_this_request():
 
 
 def test_the_global_store_carries_outputs_to_later_requests(model):
-    decoder = SpeculativeDecoder(model, SuffixProposer())
+    decoder = SpeculativeDecoder(model, SuffixProposer(), adaptive=False)
     prompt = torch.tensor([[3, 17, 42, 9, 88, 5]])
     first = decoder.generate(prompt, max_new_tokens=40)
     again = decoder.generate(prompt, max_new_tokens=40)
     assert again.new_tokens == first.new_tokens
     assert again.stats.target_forwards < first.stats.target_forwards / 2  # the earlier output is drafted whole
-    alone = SpeculativeDecoder(model, SuffixProposer(global_store=False))
+    alone = SpeculativeDecoder(model, SuffixProposer(global_store=False), adaptive=False)
     alone.generate(prompt, max_new_tokens=40)
     assert alone.generate(prompt, max_new_tokens=40).stats.target_forwards == first.stats.target_forwards
 
@@ -187,7 +187,7 @@ def test_bad_settings_are_refused(model, key, value, message):
 
 def test_greedy_output_is_plain_over_a_run_of_requests(model):
     plain = SpeculativeDecoder(model)
-    decoder = SpeculativeDecoder(model, SuffixProposer(max_nodes=12))
+    decoder = SpeculativeDecoder(model, SuffixProposer(max_nodes=12), adaptive=False)
     generator = torch.Generator().manual_seed(0)
     base = torch.randint(0, 128, (12,), generator=generator)
     drafted = 0

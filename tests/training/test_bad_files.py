@@ -37,7 +37,8 @@ def test_a_bad_data_file_is_named_before_the_target_loads(name, no_target, targe
     bad = tmp_path / name
     bad.write_bytes(content)
     cfg = load_config(
-        REPO / "recipes" / "training" / "distill_draft_full.yaml", recipe_overrides(target_dir, text_file, tmp_path, f"data.eval_files=[{bad}]")
+        REPO / "recipes" / "training" / "distill_draft_full.yaml",
+        recipe_overrides(target_dir, text_file, tmp_path, f"data.eval_files=[{bad}]"),
     )
     with pytest.raises(InputError, match=message) as caught:
         run(cfg)
@@ -49,7 +50,8 @@ def test_an_unwritable_output_is_named_before_training(key, no_target, target_di
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     cfg = load_config(
-        REPO / "recipes" / "training" / "distill_draft_full.yaml", recipe_overrides(target_dir, text_file, tmp_path, f"{key}={blocker}/sub/dir")
+        REPO / "recipes" / "training" / "distill_draft_full.yaml",
+        recipe_overrides(target_dir, text_file, tmp_path, f"{key}={blocker}/sub/dir"),
     )
     with pytest.raises(InputError, match="not writable") as caught:
         run(cfg)

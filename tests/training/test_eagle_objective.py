@@ -48,7 +48,7 @@ def test_eagle3_recipe_trains_a_head_that_drafts_losslessly(deep_target_dir, tex
     proposer = load_proposer({"type": "eagle", "model": str(out), "tree_width": 2, "max_nodes": 8, "k": 4}, target=target)
     ids = tokenizer("def f3(x):\n    return", return_tensors="pt").input_ids
     plain = SpeculativeDecoder(target).generate(ids, max_new_tokens=24)
-    assert SpeculativeDecoder(target, proposer).generate(ids, max_new_tokens=24).new_tokens == plain.new_tokens
+    assert SpeculativeDecoder(target, proposer, adaptive=False).generate(ids, max_new_tokens=24).new_tokens == plain.new_tokens
 
 
 def test_eagle1_trains_alike_from_online_and_offline_capture(target_dir, text_file, tmp_path):
@@ -70,7 +70,9 @@ def test_eagle1_trains_alike_from_online_and_offline_capture(target_dir, text_fi
 def test_offline_capture_stores_eagle3s_default_aux_layers(deep_target_dir, text_file, tmp_path):
     """Without aux_layers in the recipe the ids come from the target ([1, 2, 3] for 4 layers) and the capture stores them."""
     overrides = eagle_overrides(deep_target_dir, text_file, tmp_path, "data.eval_files=[]", f"capture.dir={tmp_path / 'capture'}")
-    cfg = load_config(REPO / "recipes" / "training" / "eagle3_demo.yaml", [*overrides, "draft.aux_layers=null", "draft.draft_vocab_size=null"])
+    cfg = load_config(
+        REPO / "recipes" / "training" / "eagle3_demo.yaml", [*overrides, "draft.aux_layers=null", "draft.draft_vocab_size=null"]
+    )
     manifest = capture_offline(cfg)
     assert manifest["layers"] == [1, 2, 3, 4]  # the aux layers and the final state (for the logits)
     target, _ = load_frozen_target(cfg, torch.device("cpu"))
@@ -92,7 +94,8 @@ def test_bad_recipe_keys_are_refused(override, message, deep_target_dir, text_fi
         run(eagle3_config(deep_target_dir, text_file, tmp_path, override))
     with pytest.raises(InputError, match="EAGLE-3 keys"):
         load_config(
-            REPO / "recipes" / "training" / "eagle1_demo.yaml", eagle_overrides(deep_target_dir, text_file, tmp_path, "draft.draft_vocab_size=10")
+            REPO / "recipes" / "training" / "eagle1_demo.yaml",
+            eagle_overrides(deep_target_dir, text_file, tmp_path, "draft.draft_vocab_size=10"),
         )
 
 

@@ -111,9 +111,16 @@ EXTRA = ("max_steps=4", "checkpoint_every=2", "keep_checkpoints=1")
 def reference(target_dir, text_file, tmp_path_factory):
     """The uninterrupted run's output, the driver script, and (per phase, filled lazily) the lines a dry run traces."""
     root = tmp_path_factory.mktemp("faults")
-    whole = run(load_config(REPO / "recipes" / "training" / "distill_draft_full.yaml", recipe_overrides(target_dir, text_file, root / "whole", *EXTRA)))
+    whole = run(
+        load_config(
+            REPO / "recipes" / "training" / "distill_draft_full.yaml", recipe_overrides(target_dir, text_file, root / "whole", *EXTRA)
+        )
+    )
     other = run(
-        load_config(REPO / "recipes" / "training" / "distill_draft_full.yaml", recipe_overrides(target_dir, text_file, root / "other", *EXTRA, "seed=1"))
+        load_config(
+            REPO / "recipes" / "training" / "distill_draft_full.yaml",
+            recipe_overrides(target_dir, text_file, root / "other", *EXTRA, "seed=1"),
+        )
     )
     script = root / "driver.py"
     script.write_text(DRIVER)

@@ -94,7 +94,7 @@ def test_recipe_trains_heads_that_draft_losslessly(target_dir, text_file, tmp_pa
     assert [list(p) for p in proposer.tree.paths] == sorted(calibration["tree"], key=lambda p: (len(p), p))
     ids = tokenizer("def f3(x):\n    return", return_tensors="pt").input_ids
     plain = SpeculativeDecoder(target).generate(ids, max_new_tokens=24)
-    medusa = SpeculativeDecoder(target, proposer).generate(ids, max_new_tokens=24)
+    medusa = SpeculativeDecoder(target, proposer, adaptive=False).generate(ids, max_new_tokens=24)
     assert medusa.new_tokens == plain.new_tokens
 
 
@@ -118,7 +118,8 @@ def test_bad_recipe_keys_are_refused(override, message, target_dir, text_file, t
 def test_pretrained_heads_for_another_target_are_refused(target_dir, text_file, tmp_path):
     MedusaHeads(48, 300, 3).save(tmp_path / "other")
     cfg = load_config(
-        REPO / "recipes" / "training" / "medusa_demo.yaml", medusa_overrides(target_dir, text_file, tmp_path, f"draft.pretrained={tmp_path / 'other'}")
+        REPO / "recipes" / "training" / "medusa_demo.yaml",
+        medusa_overrides(target_dir, text_file, tmp_path, f"draft.pretrained={tmp_path / 'other'}"),
     )
     with pytest.raises(InputError, match="hidden size 48, this target's is 32"):
         run(cfg)
@@ -138,5 +139,7 @@ def test_calibrate_command_rewrites_the_calibration(target_dir, text_file, tmp_p
     assert load_proposer({"type": "medusa", "model": str(out)}, target=target).tree.num_nodes == len(calibration["tree"])
     with pytest.raises(InputError, match="give data.eval_files"):
         calibrate(
-            load_config(REPO / "recipes" / "training" / "medusa_demo.yaml", medusa_overrides(target_dir, text_file, tmp_path, "data.eval_files=[]"))
+            load_config(
+                REPO / "recipes" / "training" / "medusa_demo.yaml", medusa_overrides(target_dir, text_file, tmp_path, "data.eval_files=[]")
+            )
         )

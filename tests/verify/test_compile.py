@@ -27,7 +27,7 @@ def test_compiled_target_and_draft_decode_like_plain_greedy(model, draft, tree_w
     counters.clear()
     plain = SpeculativeDecoder(model).generate(PROMPT, max_new_tokens=24).new_tokens
     proposer = DraftModelProposer(draft, k=3, tree_width=tree_width, target=model, compile=True, **ON)
-    decoder = SpeculativeDecoder(model, proposer, compile_forward=True, **ON)
+    decoder = SpeculativeDecoder(model, proposer, compile_forward=True, **ON, adaptive=False)
     assert decoder.compiled and proposer.compiled
     for _ in range(2):  # the second request reuses the compiled graphs
         result = decoder.generate(PROMPT, max_new_tokens=24)
@@ -38,7 +38,10 @@ def test_compiled_target_and_draft_decode_like_plain_greedy(model, draft, tree_w
     # the same decoder's plain requests (no proposer) and an eager draft beside a compiled target
     assert SpeculativeDecoder(model, compile_forward=True, **ON).generate(PROMPT, max_new_tokens=24).new_tokens == plain
     eager_draft = DraftModelProposer(draft, k=3, tree_width=tree_width, target=model)
-    assert SpeculativeDecoder(model, eager_draft, compile_forward=True, **ON).generate(PROMPT, max_new_tokens=24).new_tokens == plain
+    assert (
+        SpeculativeDecoder(model, eager_draft, compile_forward=True, **ON, adaptive=False).generate(PROMPT, max_new_tokens=24).new_tokens
+        == plain
+    )
 
 
 def test_compile_without_the_preallocated_cache_is_ignored_with_a_reason(model, draft, caplog):

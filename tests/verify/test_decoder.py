@@ -106,7 +106,7 @@ def proposers_under_test(reference, prompt_len):
 def test_greedy_is_token_identical_to_generate(name, fast, model, prompt, reference):
     """With the preallocated cache and the lean forward (both probed on the model) and with neither."""
     proposer = proposers_under_test(reference, prompt.shape[1])[name]
-    decoder = SpeculativeDecoder(model, proposer, preallocated_cache=fast, lean_forward=fast)
+    decoder = SpeculativeDecoder(model, proposer, preallocated_cache=fast, lean_forward=fast, adaptive=False)
     assert (decoder.preallocate, decoder.lean is not None) == (fast, fast)  # the probes pass on a Llama
     result = decoder.generate(prompt, max_new_tokens=MAX_NEW)
     assert result.new_tokens == reference
@@ -155,14 +155,16 @@ def test_kv_cache_equals_fresh_prefill_after_every_step(name, fast, model, promp
     monkeypatch.setattr(decoder_module, "CACHE_HEADROOM", 1)  # small buffers: commits also cross a growth
     CheckedTarget.checks = 0
     proposer = proposers_under_test(reference, prompt.shape[1])[name]
-    result = SpeculativeDecoder(model, proposer, preallocated_cache=fast, lean_forward=fast).generate(prompt, max_new_tokens=24)
+    result = SpeculativeDecoder(model, proposer, preallocated_cache=fast, lean_forward=fast, adaptive=False).generate(
+        prompt, max_new_tokens=24
+    )
     assert CheckedTarget.checks == result.stats.target_forwards - 1 > 0
 
 
 def test_eos_inside_an_accepted_block_ends_generation(model, prompt, reference):
     eos = reference[10]
     cut = reference.index(eos) + 1
-    result = SpeculativeDecoder(model, ScriptedProposer(oracle(reference, prompt.shape[1], k=6))).generate(
+    result = SpeculativeDecoder(model, ScriptedProposer(oracle(reference, prompt.shape[1], k=6)), adaptive=False).generate(
         prompt, max_new_tokens=MAX_NEW, eos_token_id=eos
     )
     assert result.new_tokens == reference[:cut]
@@ -171,7 +173,7 @@ def test_eos_inside_an_accepted_block_ends_generation(model, prompt, reference):
 @pytest.mark.parametrize("max_new", [1, 2, 3, 7])
 def test_output_never_exceeds_max_new_tokens(model, prompt, reference, max_new):
     proposer = ScriptedProposer(oracle(reference, prompt.shape[1], k=6))
-    result = SpeculativeDecoder(model, proposer).generate(prompt, max_new_tokens=max_new)
+    result = SpeculativeDecoder(model, proposer, adaptive=False).generate(prompt, max_new_tokens=max_new)
     assert result.new_tokens == reference[:max_new]
     # a step commits at most max_depth + 1 tokens; the first token comes from the prefill
     assert all(1 <= d <= max_new - 2 for d in proposer.max_depths)
@@ -181,12 +183,12 @@ def test_draft_shrinks_to_fit_max_positions(make_llama, prompt):
     small = make_llama(max_positions=prompt.shape[1] + 6)
     reference = small.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, prompt.shape[1] :].tolist()
     proposer = ScriptedProposer(random_chain(seed=1, k=20))
-    result = SpeculativeDecoder(small, proposer).generate(prompt, max_new_tokens=6)
+    result = SpeculativeDecoder(small, proposer, adaptive=False).generate(prompt, max_new_tokens=6)
     assert result.new_tokens == reference
 
 
 def test_sampling_is_seeded(model, prompt):
-    decoder = SpeculativeDecoder(model, load_proposer({"type": "ngram", "min_n": 1}))
+    decoder = SpeculativeDecoder(model, load_proposer({"type": "ngram", "min_n": 1}), adaptive=False)
     a = decoder.generate(prompt, max_new_tokens=20, temperature=0.8, top_k=20, top_p=0.9, seed=5).new_tokens
     b = decoder.generate(prompt, max_new_tokens=20, temperature=0.8, top_k=20, top_p=0.9, seed=5).new_tokens
     c = decoder.generate(prompt, max_new_tokens=20, temperature=0.8, top_k=20, top_p=0.9, seed=6).new_tokens
@@ -234,7 +236,9 @@ def bad_draft(kind):
 )
 def test_invalid_drafts_are_rejected(kind, message, model, prompt):
     with pytest.raises(ValueError, match=message):
-        SpeculativeDecoder(model, ScriptedProposer(bad_draft(kind))).generate(prompt, max_new_tokens=4, temperature=1.0, seed=0)
+        SpeculativeDecoder(model, ScriptedProposer(bad_draft(kind)), adaptive=False).generate(
+            prompt, max_new_tokens=4, temperature=1.0, seed=0
+        )
 
 
 @pytest.mark.parametrize(
@@ -267,7 +271,7 @@ def test_proposer_with_another_vocabulary_is_refused(model):
     proposer = ScriptedProposer(random_chain(0))
     proposer.vocab_size = 64
     with pytest.raises(InputError, match="vocabulary size 64 differs from the target's 128"):
-        SpeculativeDecoder(model, proposer)
+        SpeculativeDecoder(model, proposer, adaptive=False)
 
 
 # ---------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ MAX_NEW = 12
 
 @pytest.fixture(scope="module")
 def decoder(model):
-    return SpeculativeDecoder(model, load_proposer({"type": "ngram", "min_n": 1}))
+    return SpeculativeDecoder(model, load_proposer({"type": "ngram", "min_n": 1}), adaptive=False)
 
 
 @pytest.fixture(scope="module")

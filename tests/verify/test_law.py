@@ -80,7 +80,7 @@ def exact_pair_law(model) -> dict:
 
 def sample_pairs(model, n: int = N, proposer=None) -> tuple[Counter, int, int, int]:
     """Joint counts of tokens (2, 3) over ``n`` seeded requests; also requests that drafted, draft tokens drafted and accepted."""
-    decoder = SpeculativeDecoder(model, proposer if proposer is not None else RandomTreeProposer())
+    decoder = SpeculativeDecoder(model, proposer if proposer is not None else RandomTreeProposer(), adaptive=False)
     counts: Counter = Counter()
     requests = drafted = accepted = 0
     for seed in range(n):

@@ -59,7 +59,7 @@ def test_prompt_plus_output_beyond_the_target_positions_is_refused(family, make_
     limit = PROMPT_LEN + 8
     target = make_llama(max_positions=limit) if family == "llama" else tiny_gpt2(limit)
     assert context_limit(target) == limit
-    decoder = SpeculativeDecoder(target, load_proposer({"type": "ngram", "min_n": 1}))
+    decoder = SpeculativeDecoder(target, load_proposer({"type": "ngram", "min_n": 1}), adaptive=False)
     message = rf"prompt of {PROMPT_LEN} tokens \+ max_new_tokens=9 needs {limit + 1} positions, more than the target's {limit}"
     with pytest.raises(InputError, match=message):
         decoder.generate(PROMPT, max_new_tokens=9)
@@ -70,7 +70,7 @@ def test_a_model_whose_config_states_no_positions_is_not_limited():
     torch.manual_seed(0)
     target = BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4)).eval()  # ALiBi: no position table
     assert context_limit(target) is None
-    decoder = SpeculativeDecoder(target, load_proposer({"type": "ngram", "min_n": 1}))
+    decoder = SpeculativeDecoder(target, load_proposer({"type": "ngram", "min_n": 1}), adaptive=False)
     assert decoder.check_request(PROMPT, 10**6, 0.0, 0, 1.0, None, None).max_new_tokens == 10**6
     assert decoder.generate(PROMPT, max_new_tokens=10).new_tokens == plain_greedy(target, 10)
 
@@ -126,7 +126,7 @@ def test_a_draft_with_fewer_positions_drafts_until_full_then_decoding_continues_
         return draft
 
     proposer.propose = recorded_propose
-    result = SpeculativeDecoder(model, proposer).generate(PROMPT, max_new_tokens=MAX_NEW)
+    result = SpeculativeDecoder(model, proposer, adaptive=False).generate(PROMPT, max_new_tokens=MAX_NEW)
     assert result.new_tokens == plain_greedy(model, MAX_NEW)
     # The policy: a draft only while committed tokens + draft fit the draft's positions; none beyond.
     assert all(depth == 0 or committed + depth <= DRAFT_LIMIT for committed, depth in steps), steps
@@ -146,7 +146,7 @@ def _depths(parents: list[int]) -> list[int]:
 
 def test_a_draft_with_no_room_after_the_prompt_never_runs(model):
     draft = tiny_gpt2(PROMPT_LEN, n_embd=16, seed=3)  # fits the prompt, not one token more
-    result = SpeculativeDecoder(model, DraftModelProposer(draft, target=model)).generate(PROMPT, max_new_tokens=6)
+    result = SpeculativeDecoder(model, DraftModelProposer(draft, target=model), adaptive=False).generate(PROMPT, max_new_tokens=6)
     assert result.new_tokens == plain_greedy(model, 6) and result.stats.drafted_tokens == 0
 
 
@@ -185,7 +185,7 @@ def test_a_sliding_window_target_is_refused_at_construction(family, proposer):
     config = {"none": None, "ngram_chain": {"type": "ngram"}, "ngram_tree": {"type": "ngram", "min_n": 1, "branches": 3}}[proposer]
     message = rf"target model {FAMILY_CLASS[family]} has DynamicSlidingWindowLayer cache layers"
     with pytest.raises(InputError, match=message):
-        SpeculativeDecoder(target, load_proposer(config) if config else None)
+        SpeculativeDecoder(target, load_proposer(config) if config else None, adaptive=False)
     with pytest.raises(InputError, match=message):
         Target(target)
 
@@ -198,6 +198,6 @@ def test_control_the_same_models_without_a_window_decode_token_identically(famil
         target.lm_head.weight.mul_(8.0)
     for tree_width in (1, 3):
         proposer = DraftModelProposer(windowed(family, sliding_window=None, layers=1), tree_width=tree_width, target=model)
-        assert SpeculativeDecoder(model, proposer).generate(PROMPT, max_new_tokens=12).new_tokens == plain_greedy(model, 12)
+        assert SpeculativeDecoder(model, proposer, adaptive=False).generate(PROMPT, max_new_tokens=12).new_tokens == plain_greedy(model, 12)
     tree = load_proposer({"type": "ngram", "min_n": 1, "branches": 3})
-    assert SpeculativeDecoder(target, tree).generate(PROMPT, max_new_tokens=12).new_tokens == plain_greedy(target, 12)
+    assert SpeculativeDecoder(target, tree, adaptive=False).generate(PROMPT, max_new_tokens=12).new_tokens == plain_greedy(target, 12)

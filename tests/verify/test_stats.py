@@ -72,7 +72,7 @@ def assert_reconciles(stats: DecodeStats) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_tau_from_rates_equals_measured_tau(case, model, near, prompt):
     make, temperature = CASES[case]
-    decoder = SpeculativeDecoder(model, make(model, near))
+    decoder = SpeculativeDecoder(model, make(model, near), adaptive=False)
     uncut = decoder.generate(prompt, max_new_tokens=MAX_NEW, temperature=temperature, seed=0)
     eos, _, _ = eos_inside_accepted_block(uncut.new_tokens, uncut.stats.accept_lengths)
     requests = [
@@ -93,7 +93,7 @@ def test_tau_from_rates_equals_measured_tau(case, model, near, prompt):
 
 
 def test_accepted_counts_exclude_tokens_after_eos(model, prompt):
-    decoder = SpeculativeDecoder(model, load_proposer({"type": "ngram"}))
+    decoder = SpeculativeDecoder(model, load_proposer({"type": "ngram"}), adaptive=False)
     uncut = decoder.generate(prompt, max_new_tokens=MAX_NEW)
     eos, index, accepted = eos_inside_accepted_block(uncut.new_tokens, uncut.stats.accept_lengths)
     cut = decoder.generate(prompt, max_new_tokens=MAX_NEW, eos_token_id=eos)

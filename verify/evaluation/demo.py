@@ -65,9 +65,7 @@ def _window(text: str, chars: int, salt: str) -> str:
     return out if out.strip() else text[:chars]
 
 
-def build_domains(
-    docs: dict[str, list], out_dir: Path, num_prompts: int, prompt_chars: int, long_chars: int = 0
-) -> dict[str, str]:
+def build_domains(docs: dict[str, list], out_dir: Path, num_prompts: int, prompt_chars: int, long_chars: int = 0) -> dict[str, str]:
     """Write code / prose / copy (and, with ``long_chars``, long) JSONL files of prompts; return ``{domain: path}``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: dict[str, list[dict]] = {"code": [], "prose": [], "copy": []}

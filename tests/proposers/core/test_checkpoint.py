@@ -61,6 +61,10 @@ def test_a_head_of_another_target_is_refused_by_its_dimension(make_llama):
     target = make_llama(seed=0)  # hidden 32, 2 layers, vocabulary 128
     check_fits_target("head", target, hidden_size=32, num_layers=2, vocab_size=128)
     check_fits_target("head", target)  # nothing to compare
-    for dimension, kwargs in (("hidden size 48", {"hidden_size": 48}), ("number of layers 4", {"num_layers": 4}), ("vocabulary 64", {"vocab_size": 64})):
+    for dimension, kwargs in (
+        ("hidden size 48", {"hidden_size": 48}),
+        ("number of layers 4", {"num_layers": 4}),
+        ("vocabulary 64", {"vocab_size": 64}),
+    ):
         with pytest.raises(InputError, match=f"head trained for a target of {dimension}, this target's is"):
             check_fits_target("head", target, **kwargs)
