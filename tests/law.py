@@ -34,9 +34,13 @@ def exact_law(target, sampling: SamplingParams) -> dict:
     return {outcome: p for outcome, p in law.items() if p > 0}
 
 
-def sample_law(target, proposer, sampling: SamplingParams, n: int) -> tuple[Counter, list[int]]:
-    """Counts of the 3 decoded tokens over n seeded requests, and the tokens accepted in each first step."""
-    decoder = SpeculativeDecoder(target, proposer, adaptive=False)
+def sample_law(target, proposer, sampling: SamplingParams, n: int, controller=None) -> tuple[Counter, list[int]]:
+    """Counts of the 3 decoded tokens over n seeded requests, and the tokens accepted in each first step.
+
+    Args:
+        controller: a speculation controller to decode with (None: the proposer's fixed config).
+    """
+    decoder = SpeculativeDecoder(target, proposer, adaptive=False, controller=controller)
     counts: Counter = Counter()
     accepted: list[int] = []
     for seed in range(n):
@@ -44,7 +48,7 @@ def sample_law(target, proposer, sampling: SamplingParams, n: int) -> tuple[Coun
             LAW_PROMPT, max_new_tokens=3, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=seed
         )
         counts[tuple(result.new_tokens)] += 1
-        accepted.append(result.stats.accept_lengths[0])  # the first step always drafts (depth 1)
+        accepted.append(result.stats.accept_lengths[0])  # the first step drafts (depth 1) unless a controller plans it plain
     return counts, accepted
 
 
@@ -61,16 +65,16 @@ def law_statistics(counts: Counter, law: dict, n: int, law_check) -> dict[str, t
     return {"tokens 1-3": law_check(counts, law, n), "tokens 1-2": law_check(pair_counts, dict(pair_law), n)}
 
 
-def assert_follows_law(target, proposer, sampling: SamplingParams, n: int, law_check, label: str = "") -> list[int]:
+def assert_follows_law(target, proposer, sampling: SamplingParams, n: int, law_check, label: str = "", controller=None) -> list[int]:
     """Sample ``n`` requests and assert both statistics are under their critical values; return each first step's accepted tokens."""
-    counts, accepted = sample_law(target, proposer, sampling, n)
+    counts, accepted = sample_law(target, proposer, sampling, n, controller)
     for name, (stat, critical, tv) in law_statistics(counts, exact_law(target, sampling), n, law_check).items():
         assert stat < critical, f"{label}{name}: chi2 {stat:.1f} >= {critical:.1f} (TV {tv:.3f})"
     return accepted
 
 
-def assert_law_rejects(target, proposer, sampling: SamplingParams, n: int, law_check) -> None:
+def assert_law_rejects(target, proposer, sampling: SamplingParams, n: int, law_check, controller=None) -> None:
     """The negative control (the caller has broken the sampler): at least one statistic reaches its critical value."""
-    counts, _ = sample_law(target, proposer, sampling, n)
+    counts, _ = sample_law(target, proposer, sampling, n, controller)
     results = law_statistics(counts, exact_law(target, sampling), n, law_check)
     assert any(stat >= critical for stat, critical, _ in results.values()), results

@@ -49,6 +49,9 @@ DEPTH_BUCKETS = 4  # calibration by depth 1, 2, 3 and 4+
 DEFAULT_DEPTH = 8  # planned depths for a proposer that states no limit
 REFRESH_EVERY = 4  # observed steps between recomputations of the plan's estimates (they move slowly)
 PLAIN_EVERY = 64  # drafted steps between plain steps that keep the plain cost measured
+PLAIN_SAMPLES = 4  # until a plain step has been measured this often, every fourth step is one
+MARGIN = 0.05  # drafting must promise this much more than plain decoding: a tie is noise, and drafting's variance is not free
+FIRST_PRIOR = 0.3  # the prior share of steps accepting a first draft token, worth one step of counts
 STALE = 0.97  # per drafted step, what a depth's counts keep while that depth is not drafted: its prior takes over again
 AVERAGE = 0.1  # the weight of a new measurement in a running cost average (a window of ~10 steps)
 
@@ -116,8 +119,10 @@ class Controller:
         self.reached, self.accepted, self.rows = [0.0] * d, [0.0] * d, [0.0] * d  # decayed, per depth 1..max (index 0 unused)
         self.stamp = [0] * d  # the drafted step at which each depth's counts were last updated
         self.bins: dict[tuple, list[float]] = {}  # (source, depth bucket, confidence bin) -> [accepted, rejected], decayed
-        self.probe_every, self.plain_run, self.drafted_steps, self.since_plain = probe_every, 0, 0, 0
+        self.probe_every, self.plain_run, self.drafted_steps = probe_every, 0, 0
+        self.since_plain, self.plain_samples = PLAIN_SAMPLES, 0  # the first step is a plain one
         self.last_drafted = 0  # the context length at the last draft: the proposer catches up from there
+        self.shifted = 1.0  # the ratio of the last drafting cost that was off by 2x or more from its average (1: none)
         self.planned: list[int] = [0] * d  # steps planned at each depth (0: plain), over the controller's life
         self.seconds = 0.0  # the controller's own work
         self._estimates: tuple[list[float], list[float | None]] | None = None  # (shares, plan costs), refreshed now and then
@@ -186,7 +191,7 @@ class Controller:
             if rate > drafting_rate:
                 drafting, drafting_rate = depth, rate
         plain = costs[0]
-        best = drafting if plain is None or drafting_rate * plain > 1.0 else 0
+        best = drafting if plain is None or drafting_rate * plain > 1.0 + MARGIN else 0
         plan = self._explore(best, drafting, deepest)
         self.planned[plan.depth] += 1
         self.seconds += time.perf_counter() - tick
@@ -196,7 +201,7 @@ class Controller:
         """Per depth (index 0: a plain step): the share of steps whose accepted path reaches it, and a step's seconds."""
         reached, accepted, rows, stamp, now = self.reached, self.accepted, self.rows, self.stamp, self.drafted_steps
         shares, mean_rows = [1.0], [0.0]
-        prior, prior_rows, above = 0.5, 0.0, 1.0
+        prior, prior_rows, above = FIRST_PRIOR, 0.0, 1.0
         for depth in range(1, self.max_depth + 1):
             kept = STALE ** (now - stamp[depth])  # counts of a depth not drafted lately weigh less
             seen = kept * reached[depth] + 1.0  # one pseudo-step of the prior extrapolated from the depth above
@@ -209,8 +214,8 @@ class Controller:
 
     def _explore(self, best: int, drafting: int, deepest: int) -> Plan:
         """Probe a proposer that is off, now and then; probe around the planned depth, and measure a plain step, now and then."""
-        if best and (self.plain_seconds is None or self.since_plain >= PLAIN_EVERY):
-            return Plan(0)
+        if best and (self.since_plain >= (PLAIN_EVERY if self.plain_samples >= PLAIN_SAMPLES else PLAIN_SAMPLES)):
+            return Plan(0)  # keep the plain cost measured: often until it has a few samples, then now and then
         if best == 0:
             self.plain_run += 1
             if drafting and self.plain_run >= self.probe_every:
@@ -280,25 +285,41 @@ class Controller:
         """
         tick = time.perf_counter()
         self.observed += 1
-        if self.observed % REFRESH_EVERY == 0 or plan.probe or plan.depth == 0:
+        if self.observed % REFRESH_EVERY == 0 or plan.probe:
             self._estimates = None
         rest = max(step_seconds - draft_seconds, 1e-6)
         if plan.depth == 0:
             self.plain_seconds = _average(self.plain_seconds, rest)
-            self.since_plain = 0
+            self.since_plain, self.plain_samples = 0, self.plain_samples + 1
         else:
             self.since_plain += 1
             backlog, self.last_drafted = context - self.last_drafted, context
             if backlog <= 2:  # steady state: the first draft after plain steps also catches them up
-                self.draft_seconds[plan.depth] = _average(self.draft_seconds[plan.depth], draft_seconds)
+                self._learn_draft_cost(plan.depth, draft_seconds)
             self.verify_seconds[plan.depth] = _average(self.verify_seconds[plan.depth], rest)
             if draft.num_nodes:
                 self.rows_model.update(draft.num_nodes - 1.0, rest)
             self._learn_depths(plan.depth, draft.depth_list, result.num_accepted)
             self._learn_bins(draft, result, greedy)
-            if plan.probe and self.plain_run == 0 and not self._paid(result, step_seconds):
-                self.probe_every = min(2 * self.probe_every, self.max_probe_every)
+            if plan.probe and self.plain_run == 0:  # a probe of a proposer that is off: back off while probes lose
+                paid = self._paid(result, step_seconds)
+                self.probe_every = self.probe_base if paid else min(2 * self.probe_every, self.max_probe_every)
         self.seconds += time.perf_counter() - tick
+
+    def _learn_draft_cost(self, depth: int, seconds: float) -> None:
+        """Average the drafting cost of ``depth``; two measurements in a row off by 2x or more the same way are a new
+        regime (a loaded machine, a slower proposer), which every depth's cost follows at once rather than over ~10 steps each."""
+        known = self.draft_seconds[depth]
+        ratio = seconds / known if known else 1.0
+        if 0.5 < ratio < 2.0:
+            self.shifted = 1.0
+            self.draft_seconds[depth] = _average(known, seconds)
+        elif self.shifted == 1.0 or (self.shifted > 1.0) != (ratio > 1.0):
+            self.shifted = ratio  # the first one off: a spike, perhaps; held back from the average
+        else:
+            self.shifted = 1.0
+            self.draft_seconds = [None if s is None else s * ratio for s in self.draft_seconds]
+            self.draft_seconds[depth] = seconds
 
     def _paid(self, result: VerifyResult, step_seconds: float) -> bool:
         """Whether a step emitted tokens faster than a plain step is expected to."""

@@ -109,6 +109,8 @@ class SpeculativeDecoder:
             proposer's fixed config every step, as a paper's setting would. Either way the
             output is exact; with it, which tokens a seed gives at temperature > 0 also
             depends on the measured costs (the law does not).
+        controller: a controller of one's own (another ``Controller``'s settings, or one
+            shared by decoders of the same proposer); given, it is used whatever ``adaptive`` says.
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class SpeculativeDecoder:
         lean_forward: bool | None = None,
         compile_forward: bool = False,
         adaptive: bool = True,
+        controller: Controller | None = None,
     ):
         check_full_attention(model, "target")
         self.model = model.eval()
@@ -131,7 +134,9 @@ class SpeculativeDecoder:
         if proposer_vocab is not None and proposer_vocab != self.vocab_size:
             raise InputError(f"proposer vocabulary size {proposer_vocab} differs from the target's {self.vocab_size}")
         # one controller per decoder: the costs it learns are this machine's, across requests
-        self.controller = Controller(self.proposer.draft_depth()) if self.proposer is not None and adaptive else None
+        if controller is None and self.proposer is not None and adaptive:
+            controller = Controller(self.proposer.draft_depth())
+        self.controller = controller if self.proposer is not None else None
 
     def generate(
         self,
@@ -331,5 +336,8 @@ def _path_features(out: TargetOutput, result: VerifyResult) -> TargetFeatures | 
     """Hidden states of the root and the accepted nodes, in path order."""
     if out.features is None:
         return None
-    rows = torch.tensor([0] + [i + 1 for i in result.accepted_nodes])
+    accepted = result.accepted_nodes
+    if accepted == list(range(len(accepted))):  # a plain step, or a chain's accepted prefix: rows 0..n, a view
+        return TargetFeatures({layer: h[: len(accepted) + 1] for layer, h in out.features.hidden_states.items()})
+    rows = torch.tensor([0] + [i + 1 for i in accepted])
     return TargetFeatures({layer: h.index_select(0, rows) for layer, h in out.features.hidden_states.items()})

@@ -49,10 +49,15 @@ class Draft:
         return _EMPTY_DRAFT
 
     @staticmethod
-    def chain(token_ids: list[int] | torch.Tensor, draft_probs: torch.Tensor | None = None, source: str | None = None) -> Draft:
+    def chain(
+        token_ids: list[int] | torch.Tensor,
+        draft_probs: torch.Tensor | None = None,
+        source: str | None = None,
+        scores: list[float] | None = None,
+    ) -> Draft:
         """A linear draft: node i's parent is node i - 1."""
         token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
-        return Draft(token_ids, torch.arange(-1, token_ids.shape[0] - 1), draft_probs, source)
+        return Draft(token_ids, torch.arange(-1, token_ids.shape[0] - 1), draft_probs, source, scores)
 
     def is_chain(self) -> bool:
         """Whether node i's parent is i - 1 for every node (computed once per draft)."""

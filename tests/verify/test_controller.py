@@ -1,0 +1,297 @@
+"""The speculation controller: it switches off what does not pay, re-plans when costs move, comes back, and stays exact.
+
+Its decisions are driven here by a deterministic clock where a test needs them to be
+(``Clocked``: a step's seconds from a cost function of its plan and draft), so that the
+assertions do not ride on this machine's timing noise; one test keeps the real clock.
+Bounds are stated in each test. The law tests run with decisions that vary from step to
+step, and their negative control trims a sampled draft by its own values, which the
+controller refuses to do (drops a sampled node for its own drawn value), and must fail.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+from law import V, assert_follows_law, assert_law_rejects
+
+from draftsmith.proposers import load_proposer
+from draftsmith.proposers.core.proposer import ProposerBase
+from draftsmith.proposers.core.sampling import SamplingParams, logits_to_probs
+from draftsmith.proposers.core.tree import keep_nodes
+from draftsmith.proposers.core.types import Draft, ProposeContext, VerifyResult
+from draftsmith.proposers.draft_model import DraftModelProposer
+from draftsmith.verify import SpeculativeDecoder, load_target
+from draftsmith.verify.controller import Controller, Plan, RunningLine
+from draftsmith.verify.evaluation.demo import DEMO_TARGET, SHIPPED, trained_drafts
+
+
+def linear_costs(drafting_per_depth: float = 0.1, per_row: float = 0.05, drafted: float = 0.1):
+    """Seconds of a plan and its draft: (drafting, the rest of the step).
+
+    A plain step costs 1, a drafted one ``drafted`` more plus ``per_row`` per node.
+    """
+
+    def costs(plan: Plan, draft: Draft) -> tuple[float, float]:
+        return drafting_per_depth * plan.depth, 1.0 + (drafted + per_row * draft.num_nodes if draft.num_nodes else 0.0)
+
+    return costs
+
+
+class Clocked(Controller):
+    """The controller with a deterministic clock: ``costs(plan, draft)`` replaces the measured seconds."""
+
+    def __init__(self, max_depth, costs, **kwargs):
+        super().__init__(max_depth, **kwargs)
+        self.costs = costs
+
+    def observe(self, plan, draft, result, context, draft_seconds, step_seconds, greedy):
+        drafting, rest = self.costs(plan, draft)
+        super().observe(plan, draft, result, context, drafting, drafting + rest, greedy)
+
+
+def simulate(controller: Controller, steps: int, accept, score: float = 0.5, seed: int = 0, costs=None):
+    """Drive ``controller`` over synthetic steps: a chain of the planned depth, each node accepted with ``accept(step, depth)``.
+
+    Yields each step's plan. ``costs`` (default ``linear_costs()``) gives its seconds.
+    """
+    rng, costs = random.Random(seed), costs or linear_costs()
+    for step in range(steps):
+        plan = controller.plan(context=100, room=8)
+        draft = Draft.chain(list(range(plan.depth)), scores=[score] * plan.depth) if plan.depth else Draft.empty()
+        if plan.depth and not plan.probe:
+            draft, _ = controller.trim(draft, 100, True)
+        n = 0
+        while n < draft.num_nodes and rng.random() < accept(step, n + 1):
+            n += 1
+        result = VerifyResult(list(range(n)), list(range(n)), 0, n < draft.num_nodes)
+        drafting, rest = costs(plan, draft)
+        controller.observe(plan, draft, result, 100, drafting, drafting + rest, True)
+        yield plan
+
+
+def test_a_useless_proposer_is_switched_to_plain_within_10_steps():
+    """Random drafts (never accepted): after at most 10 steps the controller plans plain, and keeps >= 90% of the next 200 plain."""
+    plans = [plan.depth for plan in simulate(Controller(6), 210, lambda step, depth: 0.0)]
+    first_plain = plans.index(0)
+    assert first_plain <= 10, plans[:12]
+    assert sum(d == 0 for d in plans[10:]) >= 0.9 * 200, plans
+
+
+def test_a_good_proposer_drafts_deep_and_a_costly_one_is_re_planned():
+    """Acceptance 0.9 per depth drafts >= 4 deep on average; when drafting turns 75x costlier at step 150 (a level then
+    costs more than it brings) it goes plain within 30 steps."""
+    controller = Controller(6)
+    cheap, costly = linear_costs(0.02), linear_costs(1.5)
+    plans: list[int] = []
+    steps = simulate(controller, 300, lambda step, depth: 0.9, score=0.9, costs=lambda p, d: (cheap if len(plans) < 150 else costly)(p, d))
+    plans.extend(plan.depth for plan in steps)
+    before, after = plans[50:150], plans[180:300]
+    assert sum(before) / len(before) >= 4.0, before
+    assert sum(after) / len(after) <= 1.0 and sum(d == 0 for d in after) >= 0.5 * len(after), after
+
+
+def test_a_proposer_that_turns_predictable_again_is_switched_back_on():
+    """Random text for 150 steps (nothing accepted), then a repeated passage (0.95): drafting resumes within 160 steps and then holds."""
+    plans = [plan.depth for plan in simulate(Controller(6), 500, lambda step, depth: 0.0 if step < 150 else 0.95, score=0.9)]
+    assert sum(d == 0 for d in plans[100:150]) >= 45  # off while nothing is accepted
+    resumed = next(i for i in range(150, 500) if all(d > 0 for d in plans[i : i + 5]))
+    assert resumed <= 150 + 160, plans[150:]
+    assert sum(d > 0 for d in plans[resumed + 20 :]) >= 0.9 * len(plans[resumed + 20 :])
+
+
+def test_trimming_keeps_the_likely_nodes_closed_under_ancestors():
+    """A tree trimmed where rows cost: kept nodes are the most likely ones, and every kept node's parent is kept."""
+    controller = Clocked(4, linear_costs(per_row=0.3))
+    list(simulate(controller, 40, lambda step, depth: 0.5))
+    parents = torch.tensor([-1, -1, 0, 0, 1, 2, 5])
+    draft = Draft(torch.arange(7), parents, scores=[0.9, 0.05, 0.8, 0.1, 0.02, 0.7, 0.6])
+    trimmed, kept = controller.trim(draft, 100, exact_any_subset=True)
+    assert kept and 0 < len(kept) < 7 and 0 in kept and 1 not in kept, kept
+    assert all(parents[i] < 0 or int(parents[i]) in kept for i in kept)
+    assert controller.trim(draft, 100, exact_any_subset=False) == (draft, None)  # a sampled draft is never cut by its values
+
+
+def test_the_rows_line_recovers_a_line():
+    line = RunningLine(0.98)
+    for i in range(100):
+        line.update(float(i % 7), 2.0 + 0.25 * (i % 7))
+    a, b = line.line()
+    assert a == pytest.approx(2.0) and b == pytest.approx(0.25)
+
+
+class RandomChain(ProposerBase):
+    """Drafts 5 random tokens every step (the target accepts almost none); ``delay`` seconds of drafting when set."""
+
+    def __init__(self, vocab_size: int):
+        self.rng, self.vocab_size, self.delay = random.Random(0), vocab_size, 0.0
+
+    def draft_depth(self):
+        return 5
+
+    def begin(self, prompt, features):
+        pass
+
+    def observe(self, result, features):
+        pass
+
+    def propose(self, context: ProposeContext) -> Draft:
+        if self.delay:
+            time.sleep(self.delay)
+        depth = min(5, context.max_depth)
+        return Draft.chain([self.rng.randrange(self.vocab_size) for _ in range(depth)], scores=[0.5] * depth)
+
+
+def test_on_the_real_clock_random_drafts_go_plain_and_an_injected_delay_is_re_planned():
+    """The shipped demo target (a plain step takes 1.5-5 ms): random drafts that cost 3 ms each are planned plain after at
+    most 12 steps; a paying n-gram proposer whose drafting turns 20 ms dearer is planned plain after at most 12; outputs
+    identical. (Random drafts that cost nothing cost a verified row or two, within the noise here: the simulated tests
+    above hold the switch to its bound.)"""
+    target, tokenizer = load_target(DEMO_TARGET)
+    proposer = RandomChain(target.config.vocab_size)
+    proposer.delay = 0.003
+    decoder, plain = SpeculativeDecoder(target, proposer), SpeculativeDecoder(target)
+    prompt = tokenizer("The quick brown fox jumps over the lazy dog.", return_tensors="pt").input_ids
+    result = decoder.generate(prompt, max_new_tokens=60)
+    assert result.new_tokens == plain.generate(prompt, max_new_tokens=60).new_tokens
+    planned = result.controller["planned_by_depth"]
+    assert planned[0] >= result.stats.steps - 12, result.controller
+    ngram = load_proposer({"type": "ngram", "min_n": 1}, target=target)
+    repeat = tokenizer("one two three four five six seven eight " * 6, return_tensors="pt").input_ids
+    fast = SpeculativeDecoder(target, ngram)
+    paying = fast.generate(repeat, max_new_tokens=40)
+    assert paying.stats.planned_plain_steps < paying.stats.steps / 2, paying.controller  # it drafts while that pays
+    delayed = SpeculativeDecoder(target, DelayedNgram(ngram, 0.02), controller=fast.controller)
+    result = delayed.generate(repeat, max_new_tokens=40)
+    assert result.new_tokens == paying.new_tokens
+    assert result.stats.planned_plain_steps >= result.stats.steps - 12, result.controller
+
+
+class DelayedNgram(ProposerBase):
+    """An n-gram proposer whose every draft costs ``delay`` seconds more."""
+
+    def __init__(self, inner, delay: float):
+        self.inner, self.delay = inner, delay
+        self.vocab_size = inner.vocab_size
+
+    def draft_depth(self):
+        return self.inner.draft_depth()
+
+    def begin(self, prompt, features):
+        self.inner.begin(prompt, features)
+
+    def observe(self, result, features):
+        self.inner.observe(result, features)
+
+    def propose(self, context):
+        time.sleep(self.delay)
+        return self.inner.propose(context)
+
+
+@pytest.mark.parametrize("name", ["ngram", "suffix", "demo_draft", "medusa", "eagle1", "eagle2", "eagle3", "mtp"])
+def test_greedy_output_is_identical_with_the_controller_on_for_every_proposer(name):
+    """The shipped demo target and heads, the controller on (real clock): identical to plain, and it really decided."""
+    target, tokenizer = load_target(DEMO_TARGET)
+    configs = {"ngram": {"type": "ngram"}, "suffix": {"type": "suffix"}, **trained_drafts(DEMO_TARGET)}
+    if name not in configs:
+        pytest.skip(f"{SHIPPED[name][0]} is not shipped")
+    decoder = SpeculativeDecoder(target, load_proposer(configs[name], target=target, tokenizer=tokenizer))
+    plain = SpeculativeDecoder(target)
+    texts = ["def merge(a, b):\n    out = []\n    for x in a:\n", "The quick brown fox jumps over the lazy dog. The quick brown"]
+    planned = [0] * 2
+    for text in texts * 2:
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        result = decoder.generate(ids, max_new_tokens=48)
+        assert result.new_tokens == plain.generate(ids, max_new_tokens=48).new_tokens, (name, text)
+        planned = result.controller["planned_by_depth"]
+    assert sum(planned[1:]) > 0  # it drafted (at least while it learned)
+
+
+class ScoredTree(ProposerBase):
+    """Samples a 2-wide first level (without replacement) and one child of the first, scoring its own draws.
+
+    It drafts from a fixed random bigram table, or (``twin``) from the target's own processed
+    distribution, a draft so good that a choice by its drawn values would bias the output most.
+    """
+
+    def __init__(self, twin=None, seed: int = 0):
+        self.twin = twin
+        self.bigram_logits = 2.0 * torch.randn(V, V, generator=torch.Generator().manual_seed(seed))
+
+    def draft_depth(self):
+        return 2
+
+    def begin(self, prompt, features):
+        pass
+
+    def observe(self, result, features):
+        pass
+
+    def _law(self, tokens: list[int], sampling) -> torch.Tensor:
+        if self.twin is None:
+            return logits_to_probs(self.bigram_logits[tokens[-1]], sampling)
+        with torch.no_grad():
+            return logits_to_probs(self.twin(torch.tensor([tokens])).logits[0, -1], sampling)
+
+    def propose(self, context: ProposeContext) -> Draft:
+        g, sampling = context.generator, context.sampling
+        q = self._law(context.tokens, sampling)
+        first = int(torch.multinomial(q, 1, generator=g))
+        rest = q.clone()
+        rest[first] = 0.0
+        rows, tokens, parents, scores = [q], [first], [-1], [float(q[first])]
+        if rest.sum() > 0:
+            rest = rest / rest.sum()
+            second = int(torch.multinomial(rest, 1, generator=g))
+            rows, tokens, parents, scores = rows + [rest], tokens + [second], parents + [-1], scores + [float(rest[second])]
+        if context.max_depth >= 2:
+            child = self._law(context.tokens + [first], sampling)
+            token = int(torch.multinomial(child, 1, generator=g))
+            rows, tokens, parents, scores = rows + [child], tokens + [token], parents + [0], scores + [float(child[token])]
+        return Draft(torch.tensor(tokens), torch.tensor(parents), torch.stack(rows), scores=scores)
+
+
+class DropsUnlikelySampledNodes(Clocked):
+    """Broken on purpose: drops the nodes of a sampled draft whose own drawn probability is under 0.3 (and their subtrees)."""
+
+    def trim(self, draft, context, exact_any_subset):
+        kept = []
+        for node, parent in enumerate(draft.parent_list):
+            if draft.scores[node] >= 0.3 and (parent < 0 or parent in kept):
+                kept.append(node)
+        return keep_nodes(draft, kept), kept
+
+
+N_LAW, N_CONTROL = 4000, 1500
+
+
+@pytest.fixture(scope="module")
+def law_target(make_llama):
+    return make_llama(vocab_size=V, hidden_size=16, layers=1, seed=5)
+
+
+@pytest.mark.parametrize("temperature", [0.7, pytest.param(1.0, marks=pytest.mark.slow)])
+def test_sampled_output_follows_the_law_with_the_controller_deciding(law_target, law_check, temperature):
+    """Plans that vary with past outcomes and rows dear enough to trim: a sampled tree and a deterministic n-gram tree stay exact."""
+    sampling = SamplingParams(temperature)
+    for label, proposer, per_row in (("random tree: ", ScoredTree(), 0.05), ("the target's twin: ", ScoredTree(twin=law_target), 0.15)):
+        controller = Clocked(2, linear_costs(drafting_per_depth=0.0, per_row=per_row, drafted=0.0))
+        assert_follows_law(law_target, proposer, sampling, N_LAW, law_check, label, controller)
+        assert sum(controller.planned[1:]) > 0.2 * N_LAW and controller.planned[0] > 0  # it both drafted and went plain
+    ngram = load_proposer({"type": "ngram", "min_n": 1, "branches": 3, "max_nodes": 6})
+    trimming = Clocked(ngram.draft_depth(), linear_costs(drafting_per_depth=0.0, per_row=0.2))
+    assert_follows_law(law_target, ngram, sampling, N_LAW, law_check, "ngram tree: ", trimming)
+
+
+def test_negative_control_dropping_sampled_nodes_by_their_values_fails_the_law(law_target, law_check):
+    controller = DropsUnlikelySampledNodes(2, linear_costs(drafting_per_depth=0.0, per_row=0.15, drafted=0.0))
+    assert_law_rejects(law_target, ScoredTree(twin=law_target), SamplingParams(1.0), N_CONTROL, law_check, controller)
+
+
+def test_a_draft_model_tree_keeps_the_law_with_the_controller_at_temperature_one(law_target, law_check, make_llama):
+    draft = make_llama(vocab_size=V, hidden_size=16, layers=1, seed=11)
+    controller = Clocked(3, linear_costs(drafting_per_depth=0.02, per_row=0.05))
+    proposer = DraftModelProposer(draft, k=3, tree_width=2)
+    assert_follows_law(law_target, proposer, SamplingParams(1.0), N_LAW, law_check, "draft tree: ", controller)
