@@ -3,7 +3,7 @@
     python -m benchmarks.bench_compile [--target recipes/models/demo_target] [--draft recipes/models/demo_draft]
         [--context 128] [--tokens 300] [--threads 1] [--json out.json]
 
-For each model: the lean forward (``proposers.lean_forward``) of one token after
+For each model: the lean forward (``proposers.core.lean_forward``) of one token after
 ``--context`` cached tokens in a preallocated cache, eager (in inference mode, as decoding
 runs by default) and compiled (``LeanForward.compiled``: inductor, dynamic shapes, in
 no-grad mode as ``forward_mode(compiled=True)`` runs it), measured after the compiled one

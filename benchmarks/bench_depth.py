@@ -9,7 +9,7 @@ residual stream. The padded target therefore computes the same logits and the sa
 final and intermediate hidden states as the shipped one (checked here, bit for bit),
 every head keeps its acceptance, and only what a target step costs changes. Each depth
 is a real ``save_pretrained`` directory evaluated by ``draftsmith eval``'s own
-``evaluate``, with the demo's own rows (``training.demo.run``: ``DEMO_PROPOSERS`` and the
+``evaluate``, with the demo's own rows (``verify.evaluation.demo``: ``DEMO_PROPOSERS`` and the
 shipped heads); EAGLE heads are copied with the padded layer count in their config.
 
     python -m benchmarks.bench_depth [--target recipes/models/demo_target] [--depths 8,16,24,32]

@@ -1,7 +1,7 @@
 """A separate small causal LM drafts the next tokens: a chain, or a tree scored level by level.
 
 Speculative decoding as in Leviathan et al. 2023 and Chen et al. 2023. The tree is the
-shared dynamic tree of ``proposers.tree`` (EAGLE-2, Li et al. 2024), one draft forward per
+shared dynamic tree of ``proposers.core.tree`` (EAGLE-2, Li et al. 2024), one draft forward per
 depth through the incremental tree mask. What is specific to a draft LM lives here:
 loading and vocabulary checks, its own KV cache (after every verification it drops the
 rejected guesses and keeps the accepted ones, so the next draft starts after one new
@@ -60,12 +60,12 @@ class DraftModelProposer(ProposerBase):
             is below this (``grow_dynamic_tree``): each node costs a row of the target's forward.
         target: the target model; when given, the vocabularies are checked against it.
         lean_forward: call the draft's submodules directly during drafting when a probe
-            shows that this gives its own forward's logits (``proposers.lean_forward``);
+            shows that this gives its own forward's logits (``proposers.core.lean_forward``);
             False always calls ``model(...)``; None: on unless the environment sets
             ``DRAFTSMITH_FAST_PATHS=0``. Either way the draft probabilities are the
             ones the tokens were drawn from, so the choice never changes what is lossless.
         preallocated_cache: keep the draft's KV cache in buffers written in place
-            (``proposers.cache``) when a probe shows its logits unchanged; None: on unless
+            (``proposers.core.cache``) when a probe shows its logits unchanged; None: on unless
             the environment sets ``DRAFTSMITH_FAST_PATHS=0``.
         compile: run the lean forward through ``torch.compile`` (off by default: the first
             drafts compile for seconds; ``LeanForward.compiled``). Needs the lean forward

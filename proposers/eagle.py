@@ -5,7 +5,7 @@
   feature being the target's final normed state; the layer's output predicts the next
   feature, and the target's own LM head turns it into a distribution. Embedding and LM
   head are the target's, frozen and never saved.
-- EAGLE-2 (Li et al. 2024): the dynamic tree of ``proposers.tree.grow_dynamic_tree``
+- EAGLE-2 (Li et al. 2024): the dynamic tree of ``proposers.core.tree.grow_dynamic_tree``
   (``tree_width > 1``, ``max_nodes``), one draft forward per depth with tree attention
   over the draft's own cache.
 - EAGLE-3 (Li et al. 2025): the feature fuses three target layers (low / mid / high,

@@ -50,7 +50,7 @@ class MtpProposer(ProposerBase):
         k: draft depth (default: the number of modules). Above it only with ``recursive``.
         recursive: reuse the last module for the depths past the modules' number (chains).
         tree_width: 1 drafts a chain; more grows a top-``tree_width`` tree through the shared
-            dynamic tree builder (``proposers.tree``), each node scored by the next module
+            dynamic tree builder (``proposers.core.tree``), each node scored by the next module
             over its own path.
         max_nodes: a tree's node budget (None: no limit beyond width and depth).
         sample: at T > 0, a tree's children are sampled with their true draft distributions

@@ -246,7 +246,7 @@ class FastPaths:
     """What a model decodes through (``fast_paths``).
 
     Args:
-        preallocate: its KV cache lives in ``proposers.cache`` buffers.
+        preallocate: its KV cache lives in ``proposers.core.cache`` buffers.
         lean: its ``LeanForward``, or None (the model's own forward).
         compiled: ``forward`` is the compiled lean forward (decode under ``forward_mode(True)``).
         forward: what scores tokens: the compiled or plain lean forward, or None.

@@ -3,7 +3,7 @@
 A rank path ``(0, 2)`` is the top-1 guess at depth 1 followed by the top-3 guess at depth 2.
 A tree is grown to a node budget from measured acceptance (per-depth accuracies, or the
 frequency of whole paths), or taken Cartesian; the dynamic trees of EAGLE-2 are in
-``proposers.tree``.
+``proposers.core.tree``.
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class EngineCheckConfig:
             are compared like for like.
         num_prompts, prompt_tokens, max_new_tokens: per domain, greedy.
         tolerance: the engine's mean acceptance length must be within this fraction of draftsmith's.
-        controls: also run the hand-made incomplete EAGLE-3 checkpoints.
+        controls: also run the incomplete copies each proposer hands over (``Proposer.export_controls``).
         output_dir: exports, engine logs, summary.json and table.md.
         threads: torch intra-op threads for draftsmith's side.
         engine: the engine's venv and process (``EngineSetup``).
