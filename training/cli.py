@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.add_argument("--compile", action="store_true", help="compile the target's forward (torch.compile; pays on long outputs only)")
+    gen.add_argument("--fixed", action="store_true", help="draft with the proposer's fixed config every step (no speculation controller)")
     gen.set_defaults(run=run_generate)
 
     ev = commands.add_parser("eval", help="per-domain tau / speedup of proposers vs plain decoding (JSON, table, plots)")
@@ -104,7 +105,7 @@ def run_generate(args) -> int:
     model, tokenizer = load_target(args.target)
     proposer = load_proposer(args.proposer, target=model, tokenizer=tokenizer) if args.proposer else None
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
-    result = SpeculativeDecoder(model, proposer, compile_forward=args.compile).generate(
+    result = SpeculativeDecoder(model, proposer, compile_forward=args.compile, adaptive=not args.fixed).generate(
         input_ids,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -116,12 +117,13 @@ def run_generate(args) -> int:
     text = tokenizer.decode(result.new_tokens, skip_special_tokens=True)
     stats = result.stats
     if args.json:
-        print(json.dumps({"text": text, "new_tokens": result.new_tokens, "stats": stats.to_dict()}))
+        print(json.dumps({"text": text, "new_tokens": result.new_tokens, "stats": stats.to_dict(), "controller": result.controller}))
         return 0
     print(text)
+    chosen = f", {stats.planned_plain_steps}/{stats.steps} steps planned plain" if result.controller is not None else ""
     print(
         f"\n[{stats.new_tokens} tokens, {stats.target_forwards} target forwards, tau {stats.tau:.2f}, "
-        f"{stats.tokens_per_second:.1f} tok/s, ttft {stats.ttft * 1000:.1f} ms, tpot {stats.tpot * 1000:.1f} ms]"
+        f"{stats.tokens_per_second:.1f} tok/s, ttft {stats.ttft * 1000:.1f} ms, tpot {stats.tpot * 1000:.1f} ms{chosen}]"
     )
     return 0
 

@@ -215,6 +215,7 @@ def engine_check(config: EngineCheckConfig, progress: bool = True) -> dict[str, 
             max_new_tokens=config.max_new_tokens,
             output_dir=str(out / "draftsmith"),
             threads=config.threads,
+            adaptive=False,  # the engine drafts the configured chain every step: compare like for like
         ),
         progress=progress,
     )

@@ -45,6 +45,8 @@ COUNTS = (
     "accepted_by_depth",
     "steps_by_source",
     "accepted_by_source",
+    "drafted_tokens",
+    "planned_plain_steps",
 )
 
 
@@ -78,6 +80,10 @@ class EvalConfig:
         temperature, top_k, top_p, seed: sampling (temperature 0 = greedy).
         output_dir: where the results go.
         threads: torch intra-op threads (None keeps torch's default).
+        adaptive: our methods decode with the speculation controller, which plans each
+            step's depth (down to a plain step) and trims drafts from the costs and
+            acceptance it measures (``verify.controller``); false keeps every proposer's
+            fixed config, as a paper's table would.
         compile: compile the target's forward for every method of ours
             (``SpeculativeDecoder(compile_forward=True)``; a draft model compiles its own
             with ``compile: true`` in its proposer config). The first requests of each
@@ -97,6 +103,7 @@ class EvalConfig:
     seed: int = 0
     output_dir: str = "outputs/eval"
     threads: int | None = None
+    adaptive: bool = True
     compile: bool = False
 
     def __post_init__(self):
@@ -210,7 +217,8 @@ def build_methods(config: EvalConfig, model, tokenizer) -> tuple[dict[str, Calla
     for name, proposer_config in config.proposers.items():
         proposer = load_proposer(proposer_config, target=model, tokenizer=tokenizer)
         proposers.append(proposer)
-        methods[name] = _ours(SpeculativeDecoder(model, proposer, compile_forward=config.compile), name, config, tokenizer)
+        decoder = SpeculativeDecoder(model, proposer, compile_forward=config.compile, adaptive=config.adaptive)
+        methods[name] = _ours(decoder, name, config, tokenizer)
         peer = proposer.transformers_peer() if config.peers else None
         if peer is not None:
             peers[f"{peer.name}[{name}]"] = peer
@@ -329,6 +337,9 @@ def summarise(config: EvalConfig, records: list[Record], stats: dict) -> dict[st
                 # Spec-Bench (evaluation/speed.py): the method's mean tok/s over the prompts / plain decoding's
                 "speedup_spec_bench": mean_speed / plain_mean_speed,
                 "ttft_ms": 1000 * statistics.median(ttfts) if ttfts else None,
+                # what the controller chose: the mean of the draft nodes verified per step, and the share of plain steps it planned
+                "nodes_per_step": merged.drafted_tokens / merged.steps if merged and merged.steps else None,
+                "plain_share": merged.planned_plain_steps / merged.steps if merged and merged.steps and method != PLAIN else None,
                 "identical": f"{sum(identical)}/{len(identical)}" if identical else None,
             }
         )

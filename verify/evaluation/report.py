@@ -15,7 +15,9 @@ TABLE_NOTE = (
     "tau = emitted tokens / target forwards; from rates: (R + S - truncated + sum_d A_d) / (R + S), R requests, S steps; "
     "iid model: (1 - a^(K+1)) / (1 - a) per step that drafted, a pooled accept@d, K mean draft depth. "
     "speedup (median): per-prompt tok/s ratios to plain; (Spec-Bench): mean tok/s over plain's. "
-    "tok/s: median. transformers peers have no per-depth counts (-)."
+    "tok/s: median. nodes/step: draft nodes verified per step; plain steps: the share the speculation controller planned "
+    "plain (it drafts only where that is expected to pay here; adaptive: false keeps each proposer's fixed config). "
+    "transformers peers have no per-depth counts (-)."
 )
 
 
@@ -23,9 +25,9 @@ def markdown_table(rows: list[dict]) -> str:
     """One line per domain x method: tau (measured, from rates, iid model), speedups, tok/s, acceptance at depths 1-3, TTFT, identical."""
     head = (
         "| domain | method | tau | tau from rates | tau (iid model) | speedup (median) | speedup (Spec-Bench) | tok/s "
-        "| accept@1 | accept@2 | accept@3 | TTFT ms | identical |\n"
+        "| nodes/step | plain steps | accept@1 | accept@2 | accept@3 | TTFT ms | identical |\n"
     )
-    head += "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    head += "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     lines = []
     for r in rows:
         rates = r["acceptance_by_depth"]["given_reached"] if r["acceptance_by_depth"] else []
@@ -33,6 +35,7 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['domain']} | {r['method']} | {r['tau']:.2f} | {_fmt(r['tau_from_rates'])} | {_fmt(r['tau_iid'])} "
             f"| {r['speedup']:.2f}x | {r['speedup_spec_bench']:.2f}x | {r['tokens_per_s']:.1f} "
+            f"| {_fmt(r.get('nodes_per_step'), '.1f')} | {_fmt(r.get('plain_share'), '.0%')} "
             f"| {acc[0]} | {acc[1]} | {acc[2]} | {_fmt(r['ttft_ms'], '.1f')} | {r['identical'] or '-'} |"
         )
     return head + "\n".join(lines) + "\n\n" + TABLE_NOTE + "\n"

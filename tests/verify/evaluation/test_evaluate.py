@@ -195,3 +195,26 @@ def test_sub_domains_keep_their_order_and_their_names(tiny_target_dir, tmp_path)
     assert [p.domain for p in prompts] == ["mixed/code", "mixed/prose", "mixed"]
     with pytest.raises(ValueError, match="num_prompts must be >= 1"):
         DomainFile(str(path), num_prompts=0)
+
+
+def test_the_table_shows_what_the_controller_chose_and_adaptive_false_keeps_the_fixed_config(tiny_target_dir, domain_files, tmp_path):
+    rows = {}
+    for adaptive in (True, False):
+        config = EvalConfig(
+            target=str(tiny_target_dir),
+            domains={"code": domain_files["code"]},
+            proposers={"ngram": {"type": "ngram", "min_n": 1}},
+            peers=False,
+            num_prompts=2,
+            prompt_tokens=24,
+            max_new_tokens=12,
+            output_dir=str(tmp_path / f"out_{adaptive}"),
+            adaptive=adaptive,
+        )
+        summary = evaluate(config, progress=False)
+        rows[adaptive] = {r["method"]: r for r in summary["rows"]}
+        assert "| nodes/step | plain steps |" in (tmp_path / f"out_{adaptive}" / "table.md").read_text()
+    assert rows[False]["ngram"]["plain_share"] == 0.0  # a fixed config never plans a plain step
+    assert rows[True]["ngram"]["planned_plain_steps"] >= 1  # the controller measures a plain step first
+    assert rows[True]["plain"]["plain_share"] is None and rows[True]["ngram"]["nodes_per_step"] is not None
+    assert rows[True]["ngram"]["identical"] == rows[False]["ngram"]["identical"] == "2/2"
