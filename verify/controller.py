@@ -46,6 +46,8 @@ from draftsmith.proposers.core.types import Draft, VerifyResult
 CONFIDENCE_EDGES = (0.05, 0.15, 0.3, 0.5, 0.7, 0.85, 0.95)  # calibration bins of a node's own draft probability
 CONFIDENCE_MIDS = (0.025, 0.1, 0.225, 0.4, 0.6, 0.775, 0.9, 0.975)  # each bin's prior acceptance
 DEPTH_BUCKETS = 4  # calibration by depth 1, 2, 3 and 4+
+SLOTS = len(CONFIDENCE_MIDS) + 1  # a bin per confidence range, and one for a node without a score
+PRIORS = (0.5, *CONFIDENCE_MIDS) * DEPTH_BUCKETS  # each calibration bin's prior chance, bin = (depth bucket - 1) * SLOTS + slot
 DEFAULT_DEPTH = 8  # planned depths for a proposer that states no limit
 REFRESH_EVERY = 4  # observed steps between recomputations of the plan's estimates (they move slowly)
 PLAIN_EVERY = 64  # drafted steps between plain steps that keep the plain cost measured
@@ -118,7 +120,7 @@ class Controller:
         self.rows_model = RunningLine(0.98)  # the rest of a drafted step against its nodes beyond the first
         self.reached, self.accepted, self.rows = [0.0] * d, [0.0] * d, [0.0] * d  # decayed, per depth 1..max (index 0 unused)
         self.stamp = [0] * d  # the drafted step at which each depth's counts were last updated
-        self.bins: dict[tuple, list[float]] = {}  # (source, depth bucket, confidence bin) -> [accepted, rejected], decayed
+        self.bins: dict[str, list[list[float]]] = {}  # source -> per calibration bin [accepted, rejected], decayed
         self.probe_every, self.plain_run, self.drafted_steps = probe_every, 0, 0
         self.since_plain, self.plain_samples = PLAIN_SAMPLES, 0  # the first step is a plain one
         self.last_drafted = 0  # the context length at the last draft: the proposer catches up from there
@@ -126,17 +128,21 @@ class Controller:
         self.planned: list[int] = [0] * d  # steps planned at each depth (0: plain), over the controller's life
         self.seconds = 0.0  # the controller's own work
         self._estimates: tuple[list[float], list[float | None]] | None = None  # (shares, plan costs), refreshed now and then
-        self._chances: dict[tuple, float] = {}  # calibration bin -> chance, until the bins are next updated
+        self._decisions: dict[int, tuple[int, int]] = {}  # room -> (plan, best drafting depth), with the estimates
+        self._rows_cost: tuple[float, float] | None = None  # ``_row_costs``, until the rows line is next updated
+        self._chances: dict[str, list[float]] = {}  # source -> each bin's chance, until its bins are next updated
         self.observed = 0
 
     # -- costs ---------------------------------------------------------------------------
 
     def _row_costs(self) -> tuple[float, float]:
         """(the rest of a step that verifies one node, each further node), from the rows line; (inf, 0) before it has data."""
-        if self.rows_model.count < 2:
-            return float("inf"), 0.0
-        first, per_row = self.rows_model.line()
-        return max(first, 1e-6), max(per_row, 0.0)
+        if self._rows_cost is None:
+            if self.rows_model.count < 2:
+                return float("inf"), 0.0
+            first, per_row = self.rows_model.line()
+            self._rows_cost = max(first, 1e-6), max(per_row, 0.0)
+        return self._rows_cost
 
     def _plan_costs(self, mean_rows: list[float]) -> list[float | None]:
         """Seconds of a step planned at each depth (index 0: a plain step); None where nothing says yet.
@@ -181,7 +187,17 @@ class Controller:
         tick = time.perf_counter()
         deepest = min(self.max_depth, room)
         if self._estimates is None:
-            self._estimates = self._estimate()
+            self._estimates, self._decisions = self._estimate(), {}
+        decision = self._decisions.get(deepest)
+        if decision is None:
+            decision = self._decisions[deepest] = self._decide(deepest)
+        plan = self._explore(*decision, deepest)
+        self.planned[plan.depth] += 1
+        self.seconds += time.perf_counter() - tick
+        return plan
+
+    def _decide(self, deepest: int) -> tuple[int, int]:
+        """(the depth to plan, 0 for a plain step; the best drafting depth) from the current estimates."""
         shares, costs = self._estimates
         expected, drafting, drafting_rate = 1.0, 0, 0.0
         for depth in range(1, deepest + 1):
@@ -191,11 +207,7 @@ class Controller:
             if rate > drafting_rate:
                 drafting, drafting_rate = depth, rate
         plain = costs[0]
-        best = drafting if plain is None or drafting_rate * plain > 1.0 + MARGIN else 0
-        plan = self._explore(best, drafting, deepest)
-        self.planned[plan.depth] += 1
-        self.seconds += time.perf_counter() - tick
-        return plan
+        return (drafting if plain is None or drafting_rate * plain > 1.0 + MARGIN else 0), drafting
 
     def _estimate(self) -> tuple[list[float], list[float | None]]:
         """Per depth (index 0: a plain step): the share of steps whose accepted path reaches it, and a step's seconds."""
@@ -243,17 +255,17 @@ class Controller:
             return draft, None
         tick = time.perf_counter()
         parents, scores, depths = draft.parent_list, draft.scores, draft.depth_list
-        chances, source = self._chances, draft.source or ""
+        source = draft.source or ""
+        chances = self._chances.get(source) or self._chance_table(source)
         value = [0.0] * n
         for i, parent in enumerate(parents):
-            key = (source, min(depths[i], DEPTH_BUCKETS), 0 if scores is None else 1 + bisect_right(CONFIDENCE_EDGES, scores[i]))
-            chance = chances.get(key)
-            if chance is None:
-                chance = chances[key] = self._chance(key)
-            value[i] = chance * (value[parent] if parent >= 0 else 1.0)
+            slot = 0 if scores is None else 1 + bisect_right(CONFIDENCE_EDGES, scores[i])
+            value[i] = chances[(min(depths[i], DEPTH_BUCKETS) - 1) * SLOTS + slot] * (value[parent] if parent >= 0 else 1.0)
         order = sorted(range(n), key=value.__getitem__, reverse=True)  # stable: a parent (not less likely, earlier) first
         best_k, best_rate, expected = 0, 1.0 / self.plain_seconds, 1.0
         for k, node in enumerate(order, start=1):
+            if k > 1 and value[node] < per_row * best_rate:
+                break  # a row buys less than the rate so far, and every later node is no likelier
             expected += value[node]
             rate = expected / (first + per_row * (k - 1))
             if rate > best_rate:
@@ -264,11 +276,12 @@ class Controller:
         kept = sorted(order[:best_k])
         return keep_nodes(draft, kept), kept
 
-    def _chance(self, key: tuple) -> float:
-        """A calibration bin's chance that its node is accepted given its parent was: its counts over its confidence's prior."""
-        prior = 0.5 if key[2] == 0 else CONFIDENCE_MIDS[key[2] - 1]
-        counts = self.bins.get(key)
-        return prior if counts is None else (counts[0] + 2.0 * prior) / (counts[0] + counts[1] + 2.0)
+    def _chance_table(self, source: str) -> list[float]:
+        """Each calibration bin's chance that its node is accepted given its parent was: its counts over its confidence's prior."""
+        bins = self.bins.get(source)
+        table = list(PRIORS) if bins is None else [(a + 2.0 * prior) / (a + b + 2.0) for (a, b), prior in zip(bins, PRIORS, strict=True)]
+        self._chances[source] = table
+        return table
 
     # -- 2. observe ----------------------------------------------------------------------
 
@@ -299,8 +312,10 @@ class Controller:
             self.verify_seconds[plan.depth] = _average(self.verify_seconds[plan.depth], rest)
             if draft.num_nodes:
                 self.rows_model.update(draft.num_nodes - 1.0, rest)
+                self._rows_cost = None
             self._learn_depths(plan.depth, draft.depth_list, result.num_accepted)
-            self._learn_bins(draft, result, greedy)
+            if self.observed % 2 or plan.probe:  # half the steps calibrate (and every probe): a bin moves slowly anyway
+                self._learn_bins(draft, result, greedy)
             if plan.probe and self.plain_run == 0:  # a probe of a proposer that is off: back off while probes lose
                 paid = self._paid(result, step_seconds)
                 self.probe_every = self.probe_base if paid else min(2 * self.probe_every, self.max_probe_every)
@@ -340,8 +355,9 @@ class Controller:
             self.stamp[d] = now
 
     def _learn_bins(self, draft: Draft, result: VerifyResult, greedy: bool) -> None:
-        self._chances.clear()
         parents, scores, depths, source = draft.parent_list, draft.scores, draft.depth_list, draft.source or ""
+        self._chances.pop(source, None)
+        bins = self.bins.get(source) or self.bins.setdefault(source, [[0.0, 0.0] for _ in PRIORS])
         accepted = set(result.accepted_nodes)
         chosen = {parents[node]: node for node in result.accepted_nodes}  # parent -> its accepted child
         for node, parent in enumerate(parents):
@@ -350,7 +366,7 @@ class Controller:
             if not greedy and parent in chosen and node > chosen[parent]:
                 continue  # tested in order: a later sibling of the accepted child was not reached
             slot = 0 if scores is None else 1 + bisect_right(CONFIDENCE_EDGES, scores[node])
-            counts = self.bins.setdefault((source, min(depths[node], DEPTH_BUCKETS), slot), [0.0, 0.0])
+            counts = bins[(min(depths[node], DEPTH_BUCKETS) - 1) * SLOTS + slot]
             hit = node in accepted
             counts[0] = 0.98 * counts[0] + hit
             counts[1] = 0.98 * counts[1] + (not hit)

@@ -52,7 +52,7 @@ def greedy_accept(draft: Draft, target_argmax: list[int]) -> VerifyResult:
     Args:
         target_argmax: ``[n + 1]`` argmax at the root and at every node.
     """
-    tokens = draft.token_ids.tolist()
+    tokens = draft.token_list
     children = children_lists(draft.parent_list)
     path: list[int] = []
     node = -1
@@ -71,7 +71,7 @@ def speculative_sample(
     generator: torch.Generator | None = None,
 ) -> VerifyResult:
     """Temperature > 0: recursive rejection sampling down the tree (a chain is the 1-child case)."""
-    tokens = draft.token_ids.tolist()
+    tokens = draft.token_list
     children = children_lists(draft.parent_list)
     draft_probs = draft.draft_probs  # [num_nodes, vocab] or None (point masses)
     path: list[int] = []

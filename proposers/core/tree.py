@@ -42,7 +42,7 @@ def validate_draft(draft: Draft, vocab_size: int) -> None:
             raise ValueError(
                 f"draft node {i} has parent {p}: a parent must be -1 (the last committed token) or an earlier node in 0..{i - 1}"
             )
-    token_list = tokens.tolist()
+    token_list = draft.token_list
     if token_list and not (0 <= min(token_list) and max(token_list) < vocab_size):
         i = next(i for i, t in enumerate(token_list) if not 0 <= t < vocab_size)
         raise ValueError(f"draft node {i} has token id {token_list[i]}, outside the vocabulary [0, {vocab_size})")
@@ -112,12 +112,17 @@ def keep_nodes(draft: Draft, keep: list[int]) -> Draft:
     """The sub-draft of the nodes ``keep`` (ascending, closed under ancestors), parents renumbered."""
     if not keep:
         return Draft.empty()
-    parents, tokens = draft.parent_list, draft.token_ids.tolist()  # small lists: cheaper than tensor indexing
+    parents, tokens = draft.parent_list, draft.token_list  # small lists: cheaper than tensor indexing
     new_index = {old: new for new, old in enumerate(keep)}
-    new_parents = torch.tensor([new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep], dtype=torch.long)
+    new_parents = [new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep]
     probs = draft.draft_probs.index_select(0, torch.tensor(keep, dtype=torch.long)) if draft.draft_probs is not None else None
     scores = [draft.scores[i] for i in keep] if draft.scores is not None else None
-    return Draft(torch.tensor([tokens[i] for i in keep], dtype=torch.long), new_parents, probs, draft.source, scores)
+    kept = Draft(
+        torch.tensor([tokens[i] for i in keep], dtype=torch.long), torch.tensor(new_parents, dtype=torch.long), probs, draft.source, scores
+    )
+    kept.__dict__["parent_list"] = new_parents  # the cached lists, known already (a frozen dataclass's cached_property slots)
+    kept.__dict__["token_list"] = [tokens[i] for i in keep]
+    return kept
 
 
 def limit_draft(draft: Draft, max_depth: int, max_nodes: int | None = None) -> Draft:
@@ -146,7 +151,7 @@ def merge_drafts(drafts: list[Draft], max_nodes: int, source: str | None = None)
     child_of: dict[tuple[int, int], int] = {}
     for draft in drafts:
         where: list[int] = []  # this draft's node -> merged node (-2: dropped)
-        for token, parent in zip(draft.token_ids.tolist(), draft.parent_list, strict=True):
+        for token, parent in zip(draft.token_list, draft.parent_list, strict=True):
             merged_parent = where[parent] if parent >= 0 else -1
             node = child_of.get((merged_parent, token), -2) if merged_parent != -2 else -2
             if node == -2 and merged_parent != -2 and len(token_ids) < max_nodes:

@@ -69,6 +69,11 @@ class Draft:
         return self.parents.tolist()
 
     @cached_property
+    def token_list(self) -> list[int]:
+        """``token_ids`` as a Python list, converted once per draft (validation, the verifier and the controller read it)."""
+        return self.token_ids.tolist()
+
+    @cached_property
     def depth_list(self) -> list[int]:
         """Each node's depth (1 for the root's children), computed once per draft."""
         depths: list[int] = []

@@ -47,6 +47,7 @@ COUNTS = (
     "accepted_by_source",
     "drafted_tokens",
     "planned_plain_steps",
+    "controller_time",
 )
 
 
@@ -84,6 +85,8 @@ class EvalConfig:
             step's depth (down to a plain step) and trims drafts from the costs and
             acceptance it measures (``verify.controller``); false keeps every proposer's
             fixed config, as a paper's table would.
+        fixed_rows: rows decoded with their proposer's fixed config whatever ``adaptive``
+            says, beside the others in the same run (an adaptive row against the fixed ones).
         compile: compile the target's forward for every method of ours
             (``SpeculativeDecoder(compile_forward=True)``; a draft model compiles its own
             with ``compile: true`` in its proposer config). The first requests of each
@@ -104,6 +107,7 @@ class EvalConfig:
     output_dir: str = "outputs/eval"
     threads: int | None = None
     adaptive: bool = True
+    fixed_rows: list[str] = field(default_factory=list)
     compile: bool = False
 
     def __post_init__(self):
@@ -117,6 +121,9 @@ class EvalConfig:
         SamplingParams(self.temperature, self.top_k, self.top_p)  # refuses what generate would (inf, a negative top_k, ...)
         if self.threads is not None and self.threads < 1:
             raise InputError(f"threads must be >= 1 or null, got {self.threads}")
+        unknown = [name for name in self.fixed_rows if name not in self.proposers]
+        if unknown:
+            raise InputError(f"fixed_rows {unknown} are not proposer rows of this config ({sorted(self.proposers)})")
 
     @staticmethod
     def from_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> EvalConfig:
@@ -217,7 +224,8 @@ def build_methods(config: EvalConfig, model, tokenizer) -> tuple[dict[str, Calla
     for name, proposer_config in config.proposers.items():
         proposer = load_proposer(proposer_config, target=model, tokenizer=tokenizer)
         proposers.append(proposer)
-        decoder = SpeculativeDecoder(model, proposer, compile_forward=config.compile, adaptive=config.adaptive)
+        adaptive = config.adaptive and name not in config.fixed_rows
+        decoder = SpeculativeDecoder(model, proposer, compile_forward=config.compile, adaptive=adaptive)
         methods[name] = _ours(decoder, name, config, tokenizer)
         peer = proposer.transformers_peer() if config.peers else None
         if peer is not None:
