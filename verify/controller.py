@@ -56,6 +56,7 @@ MARGIN = 0.05  # drafting must promise this much more than plain decoding: a tie
 FIRST_PRIOR = 0.3  # the prior share of steps accepting a first draft token, worth one step of counts
 STALE = 0.97  # per drafted step, what a depth's counts keep while that depth is not drafted: its prior takes over again
 AVERAGE = 0.1  # the weight of a new measurement in a running cost average (a window of ~10 steps)
+DRAFT_AVERAGE = 0.25  # the weight of a drafting measurement in the scale every depth's drafting cost shares
 
 
 class RunningLine:
@@ -115,16 +116,17 @@ class Controller:
         self.decay, self.probe_base, self.max_probe_every, self.explore_every = decay, probe_every, max_probe_every, explore_every
         d = self.max_depth + 1
         self.plain_seconds: float | None = None  # a plain step, running average
-        self.draft_seconds: list[float | None] = [None] * d  # drafting, per planned depth, in steady state
+        self.draft_base: list[float | None] = [None] * d  # drafting per planned depth in steady state, over ``draft_scale``
+        self.draft_scale = 1.0  # what every depth's drafting cost is multiplied by (``_learn_draft_cost``)
+        self.draft_seconds: list[float | None] = [None] * d  # the product: drafting's seconds per planned depth
         self.verify_seconds: list[float | None] = [None] * d  # the rest of a step, per planned depth
         self.rows_model = RunningLine(0.98)  # the rest of a drafted step against its nodes beyond the first
         self.reached, self.accepted, self.rows = [0.0] * d, [0.0] * d, [0.0] * d  # decayed, per depth 1..max (index 0 unused)
         self.stamp = [0] * d  # the drafted step at which each depth's counts were last updated
         self.bins: dict[str, list[list[float]]] = {}  # source -> per calibration bin [accepted, rejected], decayed
-        self.probe_every, self.plain_run, self.drafted_steps = probe_every, 0, 0
+        self.probe_every, self.plain_run, self.drafted_steps, self.probe_pending = probe_every, 0, 0, False
         self.since_plain, self.plain_samples = PLAIN_SAMPLES, 0  # the first step is a plain one
         self.last_drafted = 0  # the context length at the last draft: the proposer catches up from there
-        self.shifted = 1.0  # the ratio of the last drafting cost that was off by 2x or more from its average (1: none)
         self.planned: list[int] = [0] * d  # steps planned at each depth (0: plain), over the controller's life
         self.seconds = 0.0  # the controller's own work
         self._estimates: tuple[list[float], list[float | None]] | None = None  # (shares, plan costs), refreshed now and then
@@ -229,9 +231,12 @@ class Controller:
         if best and (self.since_plain >= (PLAIN_EVERY if self.plain_samples >= PLAIN_SAMPLES else PLAIN_SAMPLES)):
             return Plan(0)  # keep the plain cost measured: often until it has a few samples, then now and then
         if best == 0:
+            if self.probe_pending:  # a probe is two drafted steps: the second one's drafting is not a catch-up, so it is measured
+                self.probe_pending = False
+                return Plan(drafting, probe=True)
             self.plain_run += 1
             if drafting and self.plain_run >= self.probe_every:
-                self.plain_run = 0
+                self.plain_run, self.probe_pending = 0, True
                 return Plan(drafting, probe=True)
             return Plan(0)
         self.plain_run, self.probe_every = 0, self.probe_base
@@ -316,25 +321,25 @@ class Controller:
             self._learn_depths(plan.depth, draft.depth_list, result.num_accepted)
             if self.observed % 2 or plan.probe:  # half the steps calibrate (and every probe): a bin moves slowly anyway
                 self._learn_bins(draft, result, greedy)
-            if plan.probe and self.plain_run == 0:  # a probe of a proposer that is off: back off while probes lose
+            if plan.probe and self.plain_run == 0 and not self.probe_pending:  # a probe's second step: back off while probes lose
                 paid = self._paid(result, step_seconds)
                 self.probe_every = self.probe_base if paid else min(2 * self.probe_every, self.max_probe_every)
         self.seconds += time.perf_counter() - tick
 
     def _learn_draft_cost(self, depth: int, seconds: float) -> None:
-        """Average the drafting cost of ``depth``; two measurements in a row off by 2x or more the same way are a new
-        regime (a loaded machine, a slower proposer), which every depth's cost follows at once rather than over ~10 steps each."""
-        known = self.draft_seconds[depth]
-        ratio = seconds / known if known else 1.0
-        if 0.5 < ratio < 2.0:
-            self.shifted = 1.0
-            self.draft_seconds[depth] = _average(known, seconds)
-        elif self.shifted == 1.0 or (self.shifted > 1.0) != (ratio > 1.0):
-            self.shifted = ratio  # the first one off: a spike, perhaps; held back from the average
-        else:
-            self.shifted = 1.0
-            self.draft_seconds = [None if s is None else s * ratio for s in self.draft_seconds]
-            self.draft_seconds[depth] = seconds
+        """Learn the drafting cost of ``depth``: a slow average per depth, times one scale that every depth shares.
+
+        The scale follows each measurement's ratio to its depth's estimate quickly (a
+        geometric average, weight 0.25), so a slower drafter or a loaded machine moves every
+        depth's cost within a step or two, and a lone spike only briefly.
+        """
+        base, seconds = self.draft_base[depth], max(seconds, 1e-7)  # a drafter that takes no time still takes a tick
+        expected = base * self.draft_scale if base is not None else self._draft_costs()[depth]  # a new depth: as extrapolated
+        if expected > 0:
+            self.draft_scale *= (seconds / expected) ** DRAFT_AVERAGE
+        fresh = seconds / self.draft_scale
+        self.draft_base[depth] = fresh if base is None else (1.0 - AVERAGE) * base + AVERAGE * fresh
+        self.draft_seconds = [None if b is None else b * self.draft_scale for b in self.draft_base]
 
     def _paid(self, result: VerifyResult, step_seconds: float) -> bool:
         """Whether a step emitted tokens faster than a plain step is expected to."""
