@@ -90,6 +90,9 @@ def setup(args) -> tuple[Path, dict, dict]:
     if "mixed" in domains:
         domains["mixed"] = DomainFile(domains["mixed"], num_prompts=2 * args.prompts)
     shipped = {**DEMO_PROPOSERS, **trained_drafts(DEMO_TARGET)}
+    if args.methods:
+        wanted = args.methods.split(",")
+        shipped = {name: config for name, config in shipped.items() if name in wanted or name in {HEAD_OF.get(w) for w in wanted}}
     if not args.depth:
         return DEMO_TARGET, domains, shipped
     return padded_target(DEMO_TARGET, args.depth, out), domains, padded_heads(shipped, args.depth, out)
@@ -193,6 +196,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--depth", type=int, default=0, help="pad the demo target to this many layers (0: as shipped)")
+    parser.add_argument("--methods", default=None, help="comma-separated demo rows or grid families (default: all)")
     parser.add_argument("--output", default="outputs/bench/controller")
     parser.add_argument("--json", default=None)
     parser.add_argument("--report", default=None, help="print the tables of an earlier --json file, and nothing else")

@@ -156,10 +156,11 @@ class DraftModelProposer(ProposerBase):
         return self.cache.get_seq_length() if self.cache is not None else 0
 
     def begin(self, prompt: list[int], features: TargetFeatures | None) -> None:
-        """Prefill the draft cache with the prompt; reset the dynamic depth.
+        """Start an empty draft cache and reset the dynamic depth; the prompt is fed at the first ``propose``.
 
-        The depth restarts at ``k`` so that a seeded request gives the same output
-        whatever ran before it.
+        Lazily: a request that never drafts (the controller may plan every step plain)
+        never pays the draft's prefill. The depth restarts at ``k`` so that a seeded
+        request gives the same output whatever ran before it.
         """
         with forward_mode(self.compiled):
             self._begin(prompt)
@@ -168,8 +169,6 @@ class DraftModelProposer(ProposerBase):
         self.cache = self._new_cache(len(prompt))
         self.cached_tokens = []
         self.depth, self._last_depth, self._pending = self.k, 0, None
-        if prompt and self._room(len(prompt) + 1) >= 1:  # else no draft fits after the prompt: never feed it
-            self._forward(list(prompt), last=1)
 
     def propose(self, context: ProposeContext) -> Draft:
         """Catch the cache up with ``context.tokens`` and draft.

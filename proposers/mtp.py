@@ -138,7 +138,7 @@ class MtpProposer(ProposerBase):
         self.caches = [PreallocatedLayer(len(prompt) + CACHE_HEADROOM) for _ in range(self.num_modules)]
         self.fed = [0] * self.num_modules  # committed positions each module has seen
         # module m's inputs at positions fed[m] on (the target's features for m = 0, else module m - 1's outputs)
-        self.pending: list[torch.Tensor | None] = [None] * self.num_modules
+        self.pending: list[list[torch.Tensor]] = [[] for _ in range(self.num_modules)]  # chunks, joined when read
         self.last: list[torch.Tensor | None] = [None] * self.num_modules  # each module's output at its last committed position
         self._add_features(features)
 
@@ -151,7 +151,14 @@ class MtpProposer(ProposerBase):
         self._append(0, features.hidden_states[-1].float().to(self.device))
 
     def _append(self, m: int, rows: torch.Tensor) -> None:
-        self.pending[m] = rows if self.pending[m] is None else torch.cat([self.pending[m], rows])
+        self.pending[m].append(rows)  # joined once when read: steps without a draft only append
+
+    def _inputs(self, m: int) -> torch.Tensor | None:
+        """Module m's pending inputs as one tensor (None: none)."""
+        chunks = self.pending[m]
+        if len(chunks) > 1:
+            chunks[:] = [torch.cat(chunks)]
+        return chunks[0] if chunks else None
 
     @torch.inference_mode()
     def propose(self, context: ProposeContext) -> Draft:
@@ -168,7 +175,7 @@ class MtpProposer(ProposerBase):
             if m == 0:
                 current = self.last[0]  # position n - 2, which reads the root: depth 1
             else:  # positions n - 1 - m .. n - 2, which read the guesses of depths 1 .. m
-                inputs = torch.cat([self.pending[m][-1:], current if m > 1 else current[:0]])
+                inputs = torch.cat([self._inputs(m)[-1:], current if m > 1 else current[:0]])
                 ids = torch.tensor([guesses], device=self.device)
                 current = self.modules.step(m, ids, inputs[None], torch.arange(n - 1 - m, n - 1, device=self.device), self.caches[m])[0]
             guess, row = self._choose(self.modules.logits(m, current[-1:])[0], context)
@@ -203,7 +210,7 @@ class MtpProposer(ProposerBase):
                 while tree.parents[path[-1]] >= 0:
                     path.append(tree.parents[path[-1]])
                 ids = torch.tensor([[tree.tokens[i] for i in reversed(path)]], device=self.device)
-                hidden = torch.cat([self.pending[m][-1:], rows[tree.parents[node]]])
+                hidden = torch.cat([self._inputs(m)[-1:], rows[tree.parents[node]]])
                 out = self.modules.step(m, ids, hidden[None], torch.arange(n - 1 - m, n - 1, device=self.device), self.caches[m])[0]
                 self.caches[m].truncate(self.fed[m])
                 rows[node] = out
@@ -232,20 +239,21 @@ class MtpProposer(ProposerBase):
         for m in range(min(depth, self.num_modules)):
             self.caches[m].truncate(self.fed[m])
             self._catch_up(m, tokens)
-            if self.fed[m] != n - 1 - m or (m > 0 and self.pending[m] is None) or self.last[0] is None:
+            if self.fed[m] != n - 1 - m or (m > 0 and not self.pending[m]) or self.last[0] is None:
                 return m
         return min(depth, self.num_modules)
 
     def _catch_up(self, m: int, tokens: list[int]) -> None:
         """Run module m over the committed positions it has not seen: p <= n - 2 - m (it reads token p + m + 1)."""
         start, end = self.fed[m], len(tokens) - 2 - m
-        if end < start or self.pending[m] is None:
+        pending = self._inputs(m)
+        if end < start or pending is None:
             return
         count = end + 1 - start
-        inputs, rest = self.pending[m][:count], self.pending[m][count:]
+        inputs, rest = pending[:count], pending[count:]
         ids = torch.tensor([tokens[start + m + 1 : end + m + 2]], device=self.device)
         out = self.modules.step(m, ids, inputs[None], torch.arange(start, end + 1, device=self.device), self.caches[m])[0]
-        self.pending[m] = rest if rest.shape[0] else None
+        self.pending[m] = [rest] if rest.shape[0] else []
         self.fed[m], self.last[m] = end + 1, out[-1:]
         if m + 1 < self.num_modules:
             self._append(m + 1, out)

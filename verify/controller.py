@@ -52,6 +52,7 @@ DEFAULT_DEPTH = 8  # planned depths for a proposer that states no limit
 REFRESH_EVERY = 4  # observed steps between recomputations of the plan's estimates (they move slowly)
 PLAIN_EVERY = 64  # drafted steps between plain steps that keep the plain cost measured
 PLAIN_SAMPLES = 4  # until a plain step has been measured this often, every fourth step is one
+PROBE_SHARE = 0.05  # the most of the plain steps' time since the last probe that a probe's catching up may cost
 MARGIN = 0.05  # drafting must promise this much more than plain decoding: a tie is noise, and drafting's variance is not free
 FIRST_PRIOR = 0.3  # the prior share of steps accepting a first draft token, worth one step of counts
 STALE = 0.97  # per drafted step, what a depth's counts keep while that depth is not drafted: its prior takes over again
@@ -86,10 +87,14 @@ class RunningLine:
 
 @dataclass(frozen=True)
 class Plan:
-    """One step's plan: the depth to draft (0: a plain step), and whether it is a probe of a depth the estimates do not favour."""
+    """One step's plan: the depth to draft (0: a plain step), and whether it is a probe of a depth the estimates do not favour.
+
+    ``whole``: verify the whole draft, untrimmed, so that the calibration sees what a trim hides.
+    """
 
     depth: int
     probe: bool = False
+    whole: bool = False
 
 
 class Controller:
@@ -119,7 +124,9 @@ class Controller:
         self.draft_base: list[float | None] = [None] * d  # drafting per planned depth in steady state, over ``draft_scale``
         self.draft_scale = 1.0  # what every depth's drafting cost is multiplied by (``_learn_draft_cost``)
         self.draft_seconds: list[float | None] = [None] * d  # the product: drafting's seconds per planned depth
-        self.verify_seconds: list[float | None] = [None] * d  # the rest of a step, per planned depth
+        # the rest of a step beyond a plain step's, per planned depth: a plain step's cost grows with the context, and
+        # what drafting adds to it much less, so the difference stays right as the context moves between measurements
+        self.verify_seconds: list[float | None] = [None] * d
         self.rows_model = RunningLine(0.98)  # the rest of a drafted step against its nodes beyond the first
         self.reached, self.accepted, self.rows = [0.0] * d, [0.0] * d, [0.0] * d  # decayed, per depth 1..max (index 0 unused)
         self.stamp = [0] * d  # the drafted step at which each depth's counts were last updated
@@ -127,6 +134,7 @@ class Controller:
         self.probe_every, self.plain_run, self.drafted_steps, self.probe_pending = probe_every, 0, 0, False
         self.since_plain, self.plain_samples = PLAIN_SAMPLES, 0  # the first step is a plain one
         self.last_drafted = 0  # the context length at the last draft: the proposer catches up from there
+        self.catch_up = 0.0  # seconds per committed position a proposer feeds when it drafts after plain steps (average)
         self.planned: list[int] = [0] * d  # steps planned at each depth (0: plain), over the controller's life
         self.seconds = 0.0  # the controller's own work
         self._estimates: tuple[list[float], list[float | None]] | None = None  # (shares, plan costs), refreshed now and then
@@ -155,13 +163,14 @@ class Controller:
         _, per_row = self._row_costs()
         drafting = self._draft_costs()
         measured = [d for d in range(1, len(self.verify_seconds)) if self.verify_seconds[d] is not None]
-        costs: list[float | None] = [self.plain_seconds]
+        plain = self.plain_seconds
+        costs: list[float | None] = [plain]
         for depth in range(1, len(self.verify_seconds)):
-            if self.verify_seconds[depth] is not None:
-                costs.append(drafting[depth] + self.verify_seconds[depth])
-            elif measured:
+            if plain is not None and self.verify_seconds[depth] is not None:
+                costs.append(plain + drafting[depth] + self.verify_seconds[depth])
+            elif plain is not None and measured:
                 near = min(measured, key=lambda d: abs(d - depth))
-                costs.append(drafting[depth] + self.verify_seconds[near] + per_row * (mean_rows[depth] - mean_rows[near]))
+                costs.append(plain + drafting[depth] + self.verify_seconds[near] + per_row * (mean_rows[depth] - mean_rows[near]))
             else:
                 costs.append(None)
         return costs
@@ -182,6 +191,10 @@ class Controller:
                 out.append(seconds * (depth + 1) / (near + 1))
         return out
 
+    def start(self) -> None:
+        """A new request: its proposer has fed none of its context yet (the first draft catches up the prompt)."""
+        self.last_drafted = 0
+
     # -- 0. plan -------------------------------------------------------------------------
 
     def plan(self, context: int, room: int) -> Plan:
@@ -193,10 +206,21 @@ class Controller:
         decision = self._decisions.get(deepest)
         if decision is None:
             decision = self._decisions[deepest] = self._decide(deepest)
-        plan = self._explore(*decision, deepest)
+        catch_up = self.catch_up * max(context - self.last_drafted - 1, 0)  # what the next draft feeds before drafting
+        if catch_up and decision[0] and not self._pays_back(decision[0], catch_up, room):
+            decision = (0, decision[1])
+        plan = self._explore(*decision, deepest, catch_up)
         self.planned[plan.depth] += 1
         self.seconds += time.perf_counter() - tick
         return plan
+
+    def _pays_back(self, depth: int, catch_up: float, room: int) -> bool:
+        """Whether drafting at ``depth`` still beats a plain step by the margin with ``catch_up`` seconds spread over the request's rest."""
+        shares, costs = self._estimates
+        expected = 1.0 + sum(shares[1 : depth + 1])
+        steps = max(room / expected, 1.0)
+        plain = costs[0]
+        return plain is None or expected * plain > (1.0 + MARGIN) * (costs[depth] + catch_up / steps)
 
     def _decide(self, deepest: int) -> tuple[int, int]:
         """(the depth to plan, 0 for a plain step; the best drafting depth) from the current estimates."""
@@ -226,8 +250,14 @@ class Controller:
             prior, prior_rows, above = share * min(max(share / above, 0.3), 0.95), mean_rows[-1], share
         return shares, self._plan_costs(mean_rows)
 
-    def _explore(self, best: int, drafting: int, deepest: int) -> Plan:
-        """Probe a proposer that is off, now and then; probe around the planned depth, and measure a plain step, now and then."""
+    def _explore(self, best: int, drafting: int, deepest: int, catch_up: float = 0.0) -> Plan:
+        """Probe a proposer that is off, now and then; probe around the planned depth, and measure a plain step, now and then.
+
+        A probe is due after ``probe_every`` plain steps, and only when the catching up it
+        costs (the positions the proposer has not fed, at the measured price) is at most
+        ``PROBE_SHARE`` of the plain steps' time since the last one: exploration stays a
+        bounded share of the time even where a long prompt makes the first draft dear.
+        """
         if best and (self.since_plain >= (PLAIN_EVERY if self.plain_samples >= PLAIN_SAMPLES else PLAIN_SAMPLES)):
             return Plan(0)  # keep the plain cost measured: often until it has a few samples, then now and then
         if best == 0:
@@ -235,14 +265,15 @@ class Controller:
                 self.probe_pending = False
                 return Plan(drafting, probe=True)
             self.plain_run += 1
-            if drafting and self.plain_run >= self.probe_every:
+            affordable = self.plain_seconds is None or catch_up <= PROBE_SHARE * self.plain_run * self.plain_seconds
+            if drafting and self.plain_run >= self.probe_every and affordable:
                 self.plain_run, self.probe_pending = 0, True
                 return Plan(drafting, probe=True)
             return Plan(0)
         self.plain_run, self.probe_every = 0, self.probe_base
         self.drafted_steps += 1
         if self.drafted_steps % self.explore_every == 0:
-            return Plan(min(best + 1, deepest), probe=True)
+            return Plan(min(best + 1, deepest), probe=True, whole=True)
         return Plan(best)
 
     # -- 1. trim -------------------------------------------------------------------------
@@ -314,7 +345,11 @@ class Controller:
             backlog, self.last_drafted = context - self.last_drafted, context
             if backlog <= 2:  # steady state: the first draft after plain steps also catches them up
                 self._learn_draft_cost(plan.depth, draft_seconds)
-            self.verify_seconds[plan.depth] = _average(self.verify_seconds[plan.depth], rest)
+            elif self.draft_seconds[plan.depth] is not None:  # a catch-up: what it cost per position beyond the drafting
+                extra = max(draft_seconds - self.draft_seconds[plan.depth], 0.0) / (backlog - 1)
+                self.catch_up = extra if not self.catch_up else (1.0 - AVERAGE) * self.catch_up + AVERAGE * extra
+            if self.plain_seconds is not None:
+                self.verify_seconds[plan.depth] = _average(self.verify_seconds[plan.depth], rest - self.plain_seconds)
             if draft.num_nodes:
                 self.rows_model.update(draft.num_nodes - 1.0, rest)
                 self._rows_cost = None
@@ -330,13 +365,14 @@ class Controller:
         """Learn the drafting cost of ``depth``: a slow average per depth, times one scale that every depth shares.
 
         The scale follows each measurement's ratio to its depth's estimate quickly (a
-        geometric average, weight 0.25), so a slower drafter or a loaded machine moves every
-        depth's cost within a step or two, and a lone spike only briefly.
+        geometric average, weight 0.25, or 0.5 for a ratio beyond 4x), so a slower drafter or
+        a loaded machine moves every depth's cost within a few steps, and a lone spike only briefly.
         """
         base, seconds = self.draft_base[depth], max(seconds, 1e-7)  # a drafter that takes no time still takes a tick
         expected = base * self.draft_scale if base is not None else self._draft_costs()[depth]  # a new depth: as extrapolated
         if expected > 0:
-            self.draft_scale *= (seconds / expected) ** DRAFT_AVERAGE
+            ratio = seconds / expected
+            self.draft_scale *= ratio ** (DRAFT_AVERAGE if 0.25 < ratio < 4.0 else 2 * DRAFT_AVERAGE)  # a 4x change is rarely noise
         fresh = seconds / self.draft_scale
         self.draft_base[depth] = fresh if base is None else (1.0 - AVERAGE) * base + AVERAGE * fresh
         self.draft_seconds = [None if b is None else b * self.draft_scale for b in self.draft_base]

@@ -184,6 +184,8 @@ class SpeculativeDecoder:
         last = first
         tokens = prompt + [first]
         new_tokens = [first]
+        if self.controller is not None:
+            self.controller.start()
         if proposer is not None:
             tick = time.perf_counter()
             proposer.begin(prompt, out.features)
@@ -238,7 +240,7 @@ class SpeculativeDecoder:
         seconds = time.perf_counter() - tick
         validate_draft(draft, self.vocab_size)
         draft = prune_depth(draft, plan.depth)
-        if controller is None or plan.probe:  # a probe verifies the whole draft: what trimming would hide is what it learns from
+        if controller is None or plan.whole:  # what trimming would hide is what an exploring step learns from
             return DraftStep(plan, draft, None, seconds)
         trimmed, kept = controller.trim(draft, len(tokens), sampling.greedy or draft.draft_probs is None)
         return DraftStep(plan, trimmed, kept, seconds)

@@ -61,7 +61,7 @@ def simulate(controller: Controller, steps: int, accept, score: float = 0.5, see
     for step in range(steps):
         plan = controller.plan(context=100, room=8)
         draft = Draft.chain(list(range(plan.depth)), scores=[score] * plan.depth) if plan.depth else Draft.empty()
-        if plan.depth and not plan.probe:
+        if plan.depth and not plan.whole:
             draft, _ = controller.trim(draft, 100, True)
         n = 0
         while n < draft.num_nodes and rng.random() < accept(step, n + 1):
@@ -104,7 +104,7 @@ def test_a_proposer_that_turns_predictable_again_is_switched_back_on():
 
 def test_trimming_keeps_the_likely_nodes_closed_under_ancestors():
     """A tree trimmed where rows cost: kept nodes are the most likely ones, and every kept node's parent is kept."""
-    controller = Clocked(4, linear_costs(per_row=0.3))
+    controller = Clocked(4, linear_costs(drafting_per_depth=0.02, per_row=0.3))
     list(simulate(controller, 40, lambda step, depth: 0.5))
     parents = torch.tensor([-1, -1, 0, 0, 1, 2, 5])
     draft = Draft(torch.arange(7), parents, scores=[0.9, 0.05, 0.8, 0.1, 0.02, 0.7, 0.6])
