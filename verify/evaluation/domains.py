@@ -2,17 +2,22 @@
 
 A domain file is JSONL with one object per line, ``{"prompt": str, "domain": str}`` or
 ``{"messages": [{"role": ..., "content": ...}, ...], "domain": str}`` (rendered with the
-tokenizer's chat template), or a plain-text file / directory of ``.txt`` files whose
-texts become prompts. Prompts are cut to a fixed number of tokens.
+tokenizer's chat template), or a plain-text file / directory of ``.txt`` files. A text
+file is one prompt (its opening) by default, or one prompt per paragraph (blank-line
+separated) with ``split="paragraph"``. Prompts are cut to a fixed number of tokens.
 
 A row of domain ``name/part`` belongs to domain ``name`` and is reported as its
 sub-domain ``name/part``: a domain that interleaves several kinds of request (``mixed``)
-keeps its order and still gets a row per kind.
+keeps its order and still gets a row per kind. A file may hold several domains: the rows
+of other domains are left to the config keys that name them, and counted in the one-line
+error when none of the file's rows is of this domain.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,16 +44,28 @@ class Prompt:
 
 
 MAX_CHARS_PER_TOKEN = 64  # text kept per prompt token before tokenizing: bounds what one huge row may cost
+SPLITS = ("file", "paragraph")  # how a text file becomes prompts
 
 
 def load_domain(
-    name: str, path: str | Path, tokenizer, num_prompts: int, prompt_tokens: int, max_positions: int | None = None
+    name: str,
+    path: str | Path,
+    tokenizer,
+    num_prompts: int,
+    prompt_tokens: int,
+    max_positions: int | None = None,
+    split: str = "file",
 ) -> list[Prompt]:
     """Read up to ``num_prompts`` prompts of domain ``name`` from ``path``, each cut to ``prompt_tokens`` tokens.
 
     Only the first (for a chat, the last) ``prompt_tokens * MAX_CHARS_PER_TOKEN`` characters of a
     text are tokenized, so a single huge row costs no more than a normal one.
+
+    Args:
+        split: for text files, ``file`` (one prompt each) or ``paragraph`` (one per blank-line-separated paragraph).
     """
+    if split not in SPLITS:
+        raise InputError(f"domain {name!r}: split must be one of {list(SPLITS)}, got {split!r}")
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"domain {name!r}: file {path} does not exist")
@@ -57,8 +74,9 @@ def load_domain(
             f"domain {name!r}: prompt_tokens={prompt_tokens} leaves no room in the model's context of {max_positions} positions"
         )
     budget = prompt_tokens * MAX_CHARS_PER_TOKEN
-    texts = _read_jsonl(name, path, tokenizer) if path.suffix == ".jsonl" else _read_text(name, path, budget)
-    prompts = []
+    others: Counter = Counter()  # rows of other domains, by domain
+    texts = _read_jsonl(name, path, tokenizer, others) if path.suffix == ".jsonl" else _read_text(name, path, budget, split)
+    prompts, short = [], 0
     for source, text, keep_end, domain in texts:
         # a rendered chat keeps its end, where the assistant turn opens
         text = text[-budget:] if keep_end else text[:budget]
@@ -67,18 +85,35 @@ def load_domain(
         if tokenizer.bos_token_id is not None:
             ids = [tokenizer.bos_token_id] + ids
         if len(ids) < 2:
+            short += 1
             continue
         ids = ids[-prompt_tokens:] if keep_end else ids[:prompt_tokens]
         prompts.append(Prompt(domain, torch.tensor([ids]), source))
         if len(prompts) == num_prompts:
             break
     if not prompts:
-        raise InputError(f"domain {name!r}: {path} holds no usable prompt (empty file, or every text under 2 tokens)")
+        raise InputError(f"domain {name!r}: {path} holds no usable prompt: {_why_none(name, others, short)}")
     return prompts
 
 
-def _read_jsonl(name: str, path: Path, tokenizer) -> Iterator[tuple[str, str, bool, str]]:
-    """(source, text, keep_end, domain) of each row of domain ``name`` or ``name/part``, read lazily line by line."""
+def _why_none(name: str, others: Counter, short: int) -> str:
+    """What a file without a usable prompt held instead, in words."""
+    if others:
+        listing = ", ".join(f"{domain!r} ({count})" for domain, count in others.most_common(5))
+        return (
+            f"its rows are of other domains ({listing}), none of {name!r} or {name + '/...'!r}; "
+            f"name the config key after one of them, or drop the rows' 'domain' fields"
+        )
+    if short:
+        return f"its {short} text(s) are each under 2 tokens"
+    return "it is empty"
+
+
+def _read_jsonl(name: str, path: Path, tokenizer, others: Counter) -> Iterator[tuple[str, str, bool, str]]:
+    """(source, text, keep_end, domain) of each row of domain ``name`` or ``name/part``, read lazily line by line.
+
+    Rows of other domains are counted in ``others``.
+    """
     where = f"domain {name!r}: {path}"
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -100,7 +135,8 @@ def _read_jsonl(name: str, path: Path, tokenizer) -> Iterator[tuple[str, str, bo
             if not isinstance(domain, str):
                 raise InputError(f"{where}:{lineno} 'domain' must be a string")
             if domain != name and not domain.startswith(name + "/"):
-                continue  # a shared file may hold several domains
+                others[domain] += 1  # a shared file may hold several domains
+                continue
             if "prompt" in row:
                 if not isinstance(row["prompt"], str):
                     raise InputError(f"{where}:{lineno} 'prompt' must be a string")
@@ -123,12 +159,21 @@ def _render_chat(messages, tokenizer, where: str) -> str:
         raise InputError(f"{where}: the chat template refused the messages ({str(err).splitlines()[0]})") from None
 
 
-def _read_text(name: str, path: Path, budget: int) -> Iterator[tuple[str, str, bool, str]]:
-    """(file name, text, False, name) of a text file or of each ``.txt`` file in a directory; at most ``budget`` characters each."""
+def _read_text(name: str, path: Path, budget: int, split: str) -> Iterator[tuple[str, str, bool, str]]:
+    """(source, text, False, name) of a text file or of each ``.txt`` file in a directory, whole or per paragraph.
+
+    A whole file is read up to ``budget`` characters (its opening is the prompt); per
+    paragraph, the whole file, each paragraph cut to ``budget``.
+    """
     files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
     if not files:
         raise InputError(f"domain {name!r}: directory {path} has no .txt files")
     for file in files:
-        text = read_text(file, f"domain {name!r}: file", max_bytes=4 * budget)
-        if text.strip():
-            yield file.name, text, False, name
+        text = read_text(file, f"domain {name!r}: file", max_bytes=4 * budget if split == "file" else None)
+        if split == "file":
+            if text.strip():
+                yield file.name, text, False, name
+            continue
+        for number, paragraph in enumerate(re.split(r"\n\s*\n", text), 1):
+            if paragraph.strip():
+                yield f"{file.name}:paragraph {number}", paragraph[:budget], False, name

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -53,11 +53,16 @@ COUNTS = (
 
 @dataclass(frozen=True)
 class DomainFile:
-    """A domain's prompts with a length or a count of their own (``prompt_tokens``, ``num_prompts``; None: the config's)."""
+    """A domain's prompts with a length or a count of their own (``prompt_tokens``, ``num_prompts``; None: the config's).
+
+    ``split``: how a text file becomes prompts, ``file`` (one each, its opening) or
+    ``paragraph`` (one per blank-line-separated paragraph); JSONL rows are prompts as they are.
+    """
 
     path: str
     prompt_tokens: int | None = None
     num_prompts: int | None = None
+    split: Literal["file", "paragraph"] = "file"
 
     def __post_init__(self):
         for name in ("prompt_tokens", "num_prompts"):
@@ -208,7 +213,7 @@ def load_prompts(config, model, tokenizer) -> list[Prompt]:
                 f"domain {name!r}: prompt_tokens={prompt_tokens} + max_new_tokens={config.max_new_tokens} exceeds the target's "
                 f"context of {max_positions} positions; lower one of them"
             )
-        prompts += load_domain(name, path, tokenizer, domain.num_prompts or config.num_prompts, prompt_tokens, max_positions)
+        prompts += load_domain(name, path, tokenizer, domain.num_prompts or config.num_prompts, prompt_tokens, max_positions, domain.split)
     return prompts
 
 
