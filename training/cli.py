@@ -1,9 +1,10 @@
-"""The ``draftsmith`` console script: generate, eval, demo, export, engine-check, capture and calibrate.
+"""The ``draftsmith`` console script: generate, eval, demo, export, engine-check, train, capture and calibrate.
 
 It sits at the top of the stack because it reaches every layer; each command's work lives
 in its layer (``verify``, ``verify.evaluation``, ``training``), imported only when the
-command runs. Training runs under its launchers (``accelerate launch -m
-draftsmith.training.train``), so that ``accelerate`` / ``torchrun`` start the processes.
+command runs. ``train`` runs a recipe in this process; several processes start under
+``accelerate launch -m draftsmith.training.train`` (the same run), so that ``accelerate`` /
+``torchrun`` start them.
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--domains-only", action="store_true", help="write the domain files under OUTPUT_DIR/domains and stop")
     demo.set_defaults(run=run_demo)
 
+    tr = commands.add_parser("train", help="train a draft or heads on a frozen target from a YAML recipe (one process)")
+    tr.add_argument("--config", required=True, help="the training recipe (recipes/training/*.yaml)")
+    tr.add_argument("overrides", nargs="*", help="key=value overrides of recipe keys (section.key=value for nested keys)")
+    tr.set_defaults(run=run_train)
+
     cap = commands.add_parser(
         "capture", help="write a training recipe's target features once, as safetensors shards (capture.mode: offline)"
     )
@@ -86,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
 
     Any other exception is a bug and keeps its traceback.
     """
+    args = build_parser().parse_args(argv)  # --help and a bad command line answer here, before torch is imported
     from draftsmith.proposers.core.errors import InputError
 
-    args = build_parser().parse_args(argv)
     try:
         return args.run(args)
     except (InputError, FileNotFoundError) as err:
@@ -102,6 +108,7 @@ def run_generate(args) -> int:
     from draftsmith.verify.decoder import check_settings
 
     check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)  # before loading anything
+    check_prompt(args.prompt)
     model, tokenizer = load_target(args.target)
     proposer = load_proposer(args.proposer, target=model, tokenizer=tokenizer) if args.proposer else None
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
@@ -126,6 +133,20 @@ def run_generate(args) -> int:
         f"{stats.tokens_per_second:.1f} tok/s, ttft {stats.ttft * 1000:.1f} ms, tpot {stats.tpot * 1000:.1f} ms{chosen}]"
     )
     return 0
+
+
+def check_prompt(prompt: str) -> None:
+    """A prompt from the command line: not empty, and UTF-8 (the shell passes undecodable bytes as lone surrogates)."""
+    from draftsmith.proposers.core.errors import InputError
+
+    if not prompt.strip():
+        raise InputError("--prompt is empty: give the text to continue")
+    bad = next((i for i, char in enumerate(prompt) if "\udc80" <= char <= "\udcff"), None)
+    if bad is not None:
+        raise InputError(
+            f"--prompt is not valid UTF-8 (byte 0x{ord(prompt[bad]) - 0xDC00:02x} at character {bad}): convert the text to "
+            "UTF-8 first (iconv -f latin1 -t utf-8)"
+        )
 
 
 def run_eval(args) -> int:
@@ -175,6 +196,18 @@ def run_demo(args) -> int:
             print(f"{name}: {getattr(domain, 'path', domain)}")
         return 0
     print_summary(demo(**kwargs))
+    return 0
+
+
+def run_train(args) -> int:
+    """One process; several go through ``accelerate launch -m draftsmith.training.train``, the same run."""
+    from draftsmith.training.common import sigterm_as_interrupt
+    from draftsmith.training.recipe import load_config
+    from draftsmith.training.train import run
+
+    cfg = load_config(args.config, args.overrides)
+    sigterm_as_interrupt()  # kill = Ctrl-C: checkpoint, then exit
+    print(f"draft written to {run(cfg)}")
     return 0
 
 

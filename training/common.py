@@ -15,11 +15,14 @@ import math
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
 
 import torch
+import yaml
 from accelerate import Accelerator
 
+from draftsmith.proposers.core.errors import InputError
 from draftsmith.proposers.core.files import publish_directory, staging_dir, write_text_atomic
 
 # --- configs ---------------------------------------------------------------
@@ -173,16 +176,42 @@ def recipe_command(argv: list[str] | None, description: str, load_config, run, r
     """The command line of a trainer: ``--config recipe.yaml key=value section.key=value ...``.
 
     SIGTERM checkpoints like Ctrl-C; the first process prints ``report(run(config))``.
+    A bad recipe, override or file is one line on stderr and exit code 2, like the
+    ``draftsmith`` commands; any other exception is a bug and keeps its traceback.
     """
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", default=None, help="YAML recipe (default: built-in defaults)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of recipe keys (section.key=value for nested keys)")
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    sigterm_as_interrupt()  # kill = Ctrl-C: checkpoint, then exit
-    out = run(cfg)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        sigterm_as_interrupt()  # kill = Ctrl-C: checkpoint, then exit
+        out = run(cfg)
+    except (InputError, FileNotFoundError) as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     if first_process():
         print(report(out))
+
+
+def check_output_dir(out: str | Path, recipe: dict, runtime_keys: set[str], overwrite: bool) -> None:
+    """Refuse to replace a non-empty ``out`` unless it holds this recipe's own earlier output, or ``overwrite`` is set.
+
+    A run replaces its output directory whole; a short trial run must never silently
+    replace what another recipe wrote there (a shipped model). Its own earlier output is
+    recognised by the recipe in its ``training_config.yaml``, runtime keys aside.
+    """
+    out = Path(out)
+    if overwrite or not out.is_dir() or not any(out.iterdir()):
+        return
+    saved_file = out / "training_config.yaml"
+    saved = yaml.safe_load(saved_file.read_text()) if saved_file.is_file() else None
+    if isinstance(saved, dict) and config_hash(saved, exclude=runtime_keys) == config_hash(recipe, exclude=runtime_keys):
+        return
+    mine, theirs = flatten(recipe), flatten(saved) if isinstance(saved, dict) else {}
+    differ = sorted(k for k in set(mine) | set(theirs) if k not in runtime_keys and mine.get(k) != theirs.get(k))
+    what = f"another recipe's output (differing keys: {differ[:6]})" if isinstance(saved, dict) else "files that no training run wrote"
+    raise InputError(f"output_dir {out} holds {what}: give a new output_dir, or overwrite=true to replace it")
 
 
 def sigterm_as_interrupt() -> None:

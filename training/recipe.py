@@ -71,11 +71,12 @@ class TrainConfig(LoopConfig):
     data: DataConfig = field(default_factory=DataConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     eval_batches: int = 8
+    overwrite: bool = False  # replace an output_dir that holds another recipe's output (never needed for a run's own)
 
 
 # Keys that do not change what is trained: left out of the hash that guards resuming.
 RUNTIME_KEYS = set(
-    "output_dir run_dir log_every eval_every eval_batches checkpoint_every keep_checkpoints log_with project threads "
+    "output_dir run_dir overwrite log_every eval_every eval_batches checkpoint_every keep_checkpoints log_with project threads "
     "max_minutes save_dtype mixed_precision draft.lora.merge data.eval_files data.self_distill.cache_dir "
     "data.self_distill.batch_size capture.dir capture.max_gb capture.batch_size capture.rows_per_shard".split()
 )

@@ -37,6 +37,7 @@ from draftsmith.verify.target import load_target
 
 from .capture import CapturedRows, Capturer, offline_key, read_manifest
 from .common import (
+    check_output_dir,
     flatten,
     make_adamw,
     plot_curve,
@@ -46,7 +47,7 @@ from .common import (
 from .data import build_dataset, check_files, collate, eval_config, make_loader
 from .loop import fit, heldout_metrics, make_accelerator
 from .objective import Objective
-from .recipe import CONFIG_FILE, TrainConfig, check_resumable, load_config, make_objective, resolved_recipe, run_dir_of
+from .recipe import CONFIG_FILE, RUNTIME_KEYS, TrainConfig, check_resumable, load_config, make_objective, resolved_recipe, run_dir_of
 
 
 def load_frozen_target(cfg: TrainConfig, device: torch.device):
@@ -65,6 +66,7 @@ def train(cfg: TrainConfig, interrupt_after_steps: int = 0) -> Path:
     check_writable(run_dir, "run_dir")
     check_writable(Path(cfg.output_dir).resolve().parent, "the directory of output_dir")
     check_resumable(cfg, run_dir)
+    check_output_dir(cfg.output_dir, dataclasses.asdict(cfg), RUNTIME_KEYS, cfg.overwrite)  # before hours of training
     accelerator = make_accelerator(cfg, run_dir)
     config_text = resolved_recipe(cfg)
     target, tokenizer = load_frozen_target(cfg, accelerator.device)

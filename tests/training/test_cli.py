@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 
+import pytest
 import yaml
 
 from draftsmith.training.cli import main
@@ -69,3 +73,30 @@ def test_export_writes_the_engine_layout_and_prints_the_serve_line(tiny_target_d
     assert main(["export", "--proposer", str(ngram), "--output", str(tmp_path / "n")]) == 0
     assert '"method": "ngram"' in capsys.readouterr().out
     assert json.loads((tmp_path / "n" / "speculative_config.json").read_text())["prompt_lookup_max"] == 4
+
+
+def test_help_and_a_bad_flag_answer_without_importing_torch():
+    """``draftsmith --help`` took 2 s importing torch; the parser answers before any import of it."""
+    code = (
+        "import sys\nfrom draftsmith.training.cli import main\n"
+        "for argv in (['--help'], ['generate', '--bogus'], ['train', '--help']):\n"
+        "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+        "print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip().splitlines()[-1] == "False", done.stdout[-500:] + done.stderr[-500:]
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ("", "--prompt is empty"),
+        ("   \n", "--prompt is empty"),
+        ("caf\udce9 au lait", r"--prompt is not valid UTF-8 \(byte 0xe9 at character 3\)"),
+    ],
+)
+def test_an_empty_or_undecodable_prompt_is_one_line(prompt, message, capsys):
+    """A Latin-1 file through $(cat ...) reaches Python as lone surrogates; it used to end in a tokenizer traceback."""
+    assert main(["generate", "--target", "no/such/dir", "--prompt", prompt]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and err.count("\n") == 1, err

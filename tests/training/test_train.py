@@ -6,6 +6,7 @@ Every run distils a 1-layer draft toward a 2-layer random target (vocabulary 300
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -24,11 +26,13 @@ import draftsmith.training.train as train_module
 from draftsmith.proposers import load_proposer
 from draftsmith.proposers.core.config import schema_parameters
 from draftsmith.proposers.core.errors import InputError
+from draftsmith.training.cli import main as cli_main
+from draftsmith.training.common import check_output_dir
 from draftsmith.training.data import read_files, render_chat, self_distill
 from draftsmith.training.draft_lm import DraftLMObjective
 from draftsmith.training.losses import LOSS_NAMES, check_loss, forward_kl, masked_mean, reverse_kl, top1_agreement, tvd
 from draftsmith.training.objective import OBJECTIVES, objective_class
-from draftsmith.training.recipe import load_config, make_objective
+from draftsmith.training.recipe import RUNTIME_KEYS, load_config, make_objective
 from draftsmith.training.train import run
 
 from tiny_recipe import REPO, recipe_overrides
@@ -348,3 +352,36 @@ def test_every_objective_speaks_the_one_loss_vocabulary():
     assert set(spoken) >= {"draft_lm", "medusa", "mtp"}
     with pytest.raises(InputError, match=r"draft.loss must be one of \['forward_kl', 'cross_entropy'\], got 'kl'"):
         check_loss("kl", ("forward_kl", "cross_entropy"))
+
+
+def test_a_run_never_replaces_another_recipes_output_unless_told(target_dir, text_file, tmp_path):
+    """A 20-step trial into a shipped model's directory is refused before any work; the recipe's own output is replaced."""
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    other = load_config(REPO / "recipes" / "training" / "distill_draft_full.yaml", recipe_overrides(target_dir, text_file, tmp_path / "a"))
+    (shipped / "training_config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(other)))
+    (shipped / "model.safetensors").write_bytes(b"weights")
+    trial = tiny_config(target_dir, text_file, tmp_path / "b", f"output_dir={shipped}", "max_steps=2")
+    with pytest.raises(InputError, match=r"output_dir .*shipped holds another recipe's output \(differing keys: \['max_steps'\]\)"):
+        run(trial)
+    assert (shipped / "model.safetensors").read_bytes() == b"weights"  # untouched
+    check_output_dir(shipped, dataclasses.asdict(other), RUNTIME_KEYS, overwrite=False)  # its own earlier output: replaced
+    check_output_dir(shipped, dataclasses.asdict(trial), RUNTIME_KEYS, overwrite=True)  # told
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(InputError, match="holds files that no training run wrote"):
+        check_output_dir(tmp_path / "notes", dataclasses.asdict(trial), RUNTIME_KEYS, overwrite=False)
+
+
+def test_training_errors_are_one_line_and_exit_code_2(capsys):
+    """The trainer's entry points keep the command line's contract: bad input is one line, exit 2, no traceback."""
+    recipe = str(REPO / "recipes" / "training" / "medusa_demo.yaml")
+    assert cli_main(["train", "--config", recipe, "max_stepz=5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown key 'max_stepz'" in err and "Traceback" not in err
+    assert cli_main(["train", "--config", recipe, "draft.num_heads=two"]) == 2
+    assert "key 'draft.num_heads': expected int, got 'two'" in capsys.readouterr().err
+    done = subprocess.run(
+        [sys.executable, "-m", "draftsmith.training.train", "--config", recipe, "max_stepz=5"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "unknown key 'max_stepz'" in done.stderr, done.stderr

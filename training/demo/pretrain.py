@@ -38,6 +38,7 @@ from draftsmith.proposers.core.config import build, load
 from draftsmith.proposers.core.errors import ConfigError, InputError
 from draftsmith.proposers.core.files import atomic_directory, atomic_file, check_writable
 from draftsmith.training.common import (
+    check_output_dir,
     config_hash,
     make_adamw,
     multi_process_cpu,
@@ -57,7 +58,7 @@ from draftsmith.training.recipe import LoopConfig
 class PretrainConfig(LoopConfig):
     """Every key a recipe may set (the loop's keys included); an unknown key is an error."""
 
-    output_dir: str = "recipes/models/demo_target"  # the shipped model, tokenizer, curves
+    output_dir: str = "outputs/demo_target"  # the model, tokenizer, curves (the shipped one: recipes/models/demo_target)
     work_dir: str = ".cache/draftsmith/demo_target"  # stage caches and checkpoints
     init_from: str | None = None  # continue from this save_pretrained model (and its tokenizer) instead of a fresh one
     # corpus (training.demo.corpus)
@@ -84,12 +85,13 @@ class PretrainConfig(LoopConfig):
     eval_every: int = 250
     checkpoint_every: int = 250
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "no"
+    overwrite: bool = False  # replace an output_dir that holds another recipe's output
 
 
 # Keys left out of every stage's hash: where files go, how often to log, evaluate and
 # save, threads, and the wall-clock budget (so a run can resume with more time).
 RUNTIME_KEYS = set(
-    "output_dir work_dir max_minutes log_every eval_every eval_tokens checkpoint_every keep_checkpoints threads save_dtype "
+    "output_dir overwrite work_dir max_minutes log_every eval_every eval_tokens checkpoint_every keep_checkpoints threads save_dtype "
     "log_with project".split()
 )
 CORPUS_KEYS = ("code_max_mb", "prose_max_mb", "heldout_mod")
@@ -347,6 +349,7 @@ def run(cfg: PretrainConfig, interrupt_after_steps: int = 0) -> Path:
         return Path(cfg.output_dir)
     check_writable(cfg.work_dir, "work_dir")
     check_writable(Path(cfg.output_dir).resolve().parent, "the directory of output_dir")
+    check_output_dir(cfg.output_dir, dataclasses.asdict(cfg), RUNTIME_KEYS, cfg.overwrite)
     with torch_threads(cfg.threads):
         work = Path(cfg.work_dir)
         processes = PartialState(cpu=multi_process_cpu())
