@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.add_argument("--compile", action="store_true", help="compile the target's forward (torch.compile; pays on long outputs only)")
+    gen.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 for a model under 50M parameters)")
     gen.add_argument("--fixed", action="store_true", help="draft with the proposer's fixed config every step (no speculation controller)")
     gen.set_defaults(run=run_generate)
 
@@ -112,7 +113,8 @@ def run_generate(args) -> int:
     model, tokenizer = load_target(args.target)
     proposer = load_proposer(args.proposer, target=model, tokenizer=tokenizer) if args.proposer else None
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
-    result = SpeculativeDecoder(model, proposer, compile_forward=args.compile, adaptive=not args.fixed).generate(
+    decoder = SpeculativeDecoder(model, proposer, compile_forward=args.compile, adaptive=not args.fixed, threads=args.threads)
+    result = decoder.generate(
         input_ids,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

@@ -8,7 +8,6 @@ directory and renamed when complete, so an interrupt never leaves half a checkpo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import math
@@ -159,17 +158,6 @@ def small_llama(
         pad_token_id=tokenizer.pad_token_id,
     )
     return LlamaForCausalLM(config)
-
-
-@contextlib.contextmanager
-def torch_threads(threads: int):
-    """Run the block with ``threads`` torch CPU threads (0 keeps the current setting), restoring the caller's afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or before)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def recipe_command(argv: list[str] | None, description: str, load_config, run, report) -> None:

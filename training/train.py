@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 
 from draftsmith.proposers.core.errors import ConfigError
 from draftsmith.proposers.core.files import atomic_directory, check_writable
-from draftsmith.proposers.core.models import context_limit
+from draftsmith.proposers.core.models import context_limit, torch_threads
 from draftsmith.verify.target import load_target
 
 from .capture import CapturedRows, Capturer, offline_key, read_manifest
@@ -42,7 +42,6 @@ from .common import (
     make_adamw,
     plot_curve,
     recipe_command,
-    torch_threads,
 )
 from .data import build_dataset, check_files, collate, eval_config, make_loader
 from .loop import fit, heldout_metrics, make_accelerator

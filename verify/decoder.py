@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 from draftsmith.proposers.core.cache import CACHE_HEADROOM
 from draftsmith.proposers.core.errors import InputError, check_integer
 from draftsmith.proposers.core.lean_forward import fast_paths, forward_mode
-from draftsmith.proposers.core.models import check_full_attention, context_limit, output_vocab_size
+from draftsmith.proposers.core.models import check_full_attention, context_limit, decode_threads, output_vocab_size, torch_threads
 from draftsmith.proposers.core.proposer import Proposer, check_proposer
 from draftsmith.proposers.core.sampling import SamplingParams
 from draftsmith.proposers.core.tree import node_depths, prune_depth, validate_draft
@@ -109,6 +109,9 @@ class SpeculativeDecoder:
             proposer's fixed config every step, as a paper's setting would. Either way the
             output is exact; with it, which tokens a seed gives at temperature > 0 also
             depends on the measured costs (the law does not).
+        threads: torch intra-op threads while it decodes (restored after each call); None:
+            ``decode_threads``'s rule, 1 for a model under 50M parameters (as fast idle, and
+            several times faster when anything else runs), torch's default above.
         controller: a controller of one's own (another ``Controller``'s settings, or one
             shared by decoders of the same proposer); given, it is used whatever ``adaptive`` says.
     """
@@ -122,6 +125,7 @@ class SpeculativeDecoder:
         compile_forward: bool = False,
         adaptive: bool = True,
         controller: Controller | None = None,
+        threads: int | None = None,
     ):
         check_full_attention(model, "target")
         self.model = model.eval()
@@ -130,6 +134,7 @@ class SpeculativeDecoder:
         self.proposer = check_proposer(proposer) if proposer is not None else None
         self.vocab_size = output_vocab_size(model)
         self.max_positions = context_limit(model)
+        self.threads = decode_threads(model, threads)
         proposer_vocab = proposer.vocab_size if proposer is not None else None
         if proposer_vocab is not None and proposer_vocab != self.vocab_size:
             raise InputError(f"proposer vocabulary size {proposer_vocab} differs from the target's {self.vocab_size}")
@@ -164,7 +169,7 @@ class SpeculativeDecoder:
             eos_token_id: None, an id, or several (a list / tuple, or a 0-d / 1-D integer tensor).
         """
         request = self.check_request(input_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id)
-        with forward_mode(self.compiled):
+        with forward_mode(self.compiled), torch_threads(self.threads):
             return self._generate(request)
 
     def _generate(self, request: Request) -> DecodeResult:

@@ -141,7 +141,7 @@ def test_sigkill_while_writing_loses_nothing(phase, kill, reference, target_dir,
     lines = traced_lines(reference, phase, target_dir, text_file)
     assert lines > 100
     kill_at = random.Random(f"{SEED}:{phase}:{kill}").randrange(1, lines)
-    overrides = recipe_overrides(target_dir, text_file, tmp_path, *EXTRA)
+    overrides = recipe_overrides(target_dir, text_file, tmp_path, *EXTRA, "overwrite=true")  # replacing another seed's export
     out = tmp_path / "out"
     if phase == "export":  # an earlier export (another seed) sits in output_dir: the new one must never mix with it
         shutil.copytree(reference["other"], out)

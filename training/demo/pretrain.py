@@ -37,6 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from draftsmith.proposers.core.config import build, load
 from draftsmith.proposers.core.errors import ConfigError, InputError
 from draftsmith.proposers.core.files import atomic_directory, atomic_file, check_writable
+from draftsmith.proposers.core.models import torch_threads
 from draftsmith.training.common import (
     check_output_dir,
     config_hash,
@@ -45,7 +46,6 @@ from draftsmith.training.common import (
     plot_curve,
     recipe_command,
     small_llama,
-    torch_threads,
 )
 from draftsmith.training.data import make_loader
 from draftsmith.training.demo.corpus import DOMAINS, SPLITS, Document, collect_corpus

@@ -24,7 +24,7 @@ from draftsmith.proposers import load_proposer
 from draftsmith.proposers.core.config import build, load
 from draftsmith.proposers.core.errors import InputError
 from draftsmith.proposers.core.files import check_writable
-from draftsmith.proposers.core.models import context_limit
+from draftsmith.proposers.core.models import context_limit, decode_threads
 from draftsmith.proposers.core.sampling import SamplingParams
 from draftsmith.proposers.core.types import TransformersPeer
 
@@ -85,7 +85,7 @@ class EvalConfig:
         num_prompts, prompt_tokens, max_new_tokens: per domain.
         temperature, top_k, top_p, seed: sampling (temperature 0 = greedy).
         output_dir: where the results go.
-        threads: torch intra-op threads (None keeps torch's default).
+        threads: torch intra-op threads (None: ``decode_threads``'s rule, 1 for a small model).
         adaptive: our methods decode with the speculation controller, which plans each
             step's depth (down to a plain step) and trims drafts from the costs and
             acceptance it measures (``verify.controller``); false keeps every proposer's
@@ -171,9 +171,8 @@ class Record:
 def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
     """Run the evaluation and write its files; return the summary."""
     check_writable(config.output_dir, "output_dir")  # before anything is decoded
-    if config.threads:
-        torch.set_num_threads(config.threads)
     model, tokenizer = load_target(config.target)
+    torch.set_num_threads(decode_threads(model, config.threads))  # transformers' peers too: every method alike
     prompts = load_prompts(config, model, tokenizer)
     methods, proposers = build_methods(config, model, tokenizer)
     for run in methods.values():  # warm-up, untimed: the first call of each path pays one-off costs
@@ -223,14 +222,15 @@ def build_methods(config: EvalConfig, model, tokenizer) -> tuple[dict[str, Calla
     Plain decoding first, then every proposer, then the transformers peers they declare
     (with ``config.peers``); ``transformers_peer`` returns None for a proposer that has none.
     """
-    methods = {PLAIN: _ours(SpeculativeDecoder(model, compile_forward=config.compile), PLAIN, config, tokenizer)}
+    plain = SpeculativeDecoder(model, compile_forward=config.compile, threads=config.threads)
+    methods = {PLAIN: _ours(plain, PLAIN, config, tokenizer)}
     peers: dict[str, TransformersPeer] = {}
     proposers = []
     for name, proposer_config in config.proposers.items():
         proposer = load_proposer(proposer_config, target=model, tokenizer=tokenizer)
         proposers.append(proposer)
         adaptive = config.adaptive and name not in config.fixed_rows
-        decoder = SpeculativeDecoder(model, proposer, compile_forward=config.compile, adaptive=adaptive)
+        decoder = SpeculativeDecoder(model, proposer, compile_forward=config.compile, adaptive=adaptive, threads=config.threads)
         methods[name] = _ours(decoder, name, config, tokenizer)
         peer = proposer.transformers_peer() if config.peers else None
         if peer is not None:
