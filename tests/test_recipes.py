@@ -21,6 +21,24 @@ def test_proposer_recipes_load(path):
     assert load_proposer(path, target=target) is not None
 
 
+def test_every_family_has_a_ready_proposer_config():
+    import yaml
+
+    from draftsmith.proposers import REGISTRY
+
+    kinds = {yaml.safe_load(p.read_text())["type"] for p in (RECIPES / "proposers").glob("*.yaml")}
+    assert kinds == set(REGISTRY), sorted(set(REGISTRY) - kinds)
+
+
+def test_the_ngram_config_exports_as_vllm_drafts_without_a_warning(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the old one warned: it did not draft as the engine does
+        export = load_proposer(RECIPES / "proposers" / "ngram.yaml").export(tmp_path / "ngram")
+    assert export.speculative_config["method"] == "ngram"
+
+
 @pytest.mark.parametrize("path", sorted((RECIPES / "eval").glob("engine_check_*.yaml")), ids=lambda p: p.name)
 def test_engine_check_recipes_validate(path):
     from draftsmith.verify.evaluation.engine_check import EngineCheckConfig
