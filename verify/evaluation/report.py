@@ -140,6 +140,7 @@ def plot_domains(rows: list[dict], path: Path) -> None:
     for ax, (key, chunk) in zip(axes, panels, strict=True):
         values = {m: [cells[(d, m)][key] if (d, m) in cells else None for d in chunk] for m in methods}
         _draw_bars(ax, chunk, values, label_all)
+        ax.set_xlim(-1.5, len(chunks[0]) * group - 1.5)  # a last, shorter row keeps the bar width of the others
         ax.set_ylabel("speedup vs plain" if key == "speedup" else "tau")
     axes[0].set_title("speedup over plain decoding (median of per-prompt tok/s ratios)", loc="left", fontsize=10)
     axes[len(chunks)].set_title("tau: tokens emitted per target forward", loc="left", fontsize=10)
@@ -180,7 +181,6 @@ def _draw_bars(ax, domains: list[str], values: dict[str, list[float | None]], la
             ax.annotate(f"{value:.2f}", (x, value), xytext=(0, 2), textcoords="offset points", ha="center", fontsize=8, bbox=LABEL_BOX)
     ax.axhline(1.0, color=PLAIN_COLOR, linewidth=1.0, linestyle="--", zorder=2.5)  # over the bars, under the labels
     ax.set_xticks([d * group + (group - 3) / 2 for d in range(len(domains))], domains)
-    ax.set_xlim(-1.5, len(domains) * group - 1.5)
     ax.margins(y=0.12)
     ax.spines[["top", "right"]].set_visible(False)
 
@@ -193,12 +193,12 @@ def plot_acceptance(rows: list[dict], path: Path) -> None:
     """
     lines = [(r["domain"], r["method"], _depth_points(r)) for r in rows]
     lines = [line for line in lines if line[2]]
-    domains = list(dict.fromkeys(domain for domain, _, _ in lines)) or ["(no drafts)"]
+    domains = list(dict.fromkeys(domain for domain, _, _ in lines)) or ["(no method drafted)"]
     ncols = min(4, len(domains))
     nrows = math.ceil(len(domains) / ncols)
-    figsize = (min(MAX_WIDTH_IN, 3.1 * ncols + 2.0), 0.8 + 2.6 * nrows)
+    figsize = (min(MAX_WIDTH_IN, max(7.0, 3.1 * ncols + 2.0)), 0.8 + 2.6 * nrows)
     fig, axes = plt.subplots(nrows, ncols, figsize=figsize, sharey=True, squeeze=False, layout="constrained")
-    depth = max((points[-1][0] for _, _, points in lines), default=1)
+    depth = max((points[-1][0] for _, _, points in lines), default=3)
     for ax, domain in zip(axes.flat, domains, strict=False):
         for _, method, points in (line for line in lines if line[0] == domain):
             xs, ys = [x for x, _, _ in points], [y for _, y, _ in points]
@@ -220,7 +220,8 @@ def plot_acceptance(rows: list[dict], path: Path) -> None:
     handles.append(
         Line2D([], [], color="grey", alpha=0.45, marker="o", markersize=4, markerfacecolor="white", label=f"< {FEW_STEPS} steps")
     )
-    fig.legend(handles=handles, loc="outside right upper", fontsize=8, frameon=False)
+    if methods:
+        fig.legend(handles=handles, loc="outside right upper", fontsize=8, frameon=False)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
 
