@@ -37,7 +37,8 @@ from pathlib import Path
 from draftsmith.proposers.core.errors import InputError
 from draftsmith.proposers.core.files import check_writable
 
-from .evaluate import DomainFile, EvalConfig, evaluate
+from .evaluate import PLAIN, DomainFile, EvalConfig, evaluate
+from .report import markdown_table
 
 MODELS = Path("recipes/models")  # the shipped target, drafts and heads
 DEMO_TARGET = MODELS / "demo_target"
@@ -221,4 +222,33 @@ def evaluate_demo(
         # whenever anything else runs on the machine.
         threads=1,
     )
-    return evaluate(config)
+    summary = evaluate(config)
+    notes = below_plain(summary["rows"])
+    summary["table"] = markdown_table(summary["rows"]) + ("\n" + "\n".join(notes) + "\n" if notes else "")
+    (Path(output_dir) / "table.md").write_text(summary["table"])
+    return summary
+
+
+def below_plain(rows: list[dict]) -> list[str]:
+    """One line per method that ran below plain decoding somewhere, saying why (from what the controller chose)."""
+    slow: dict[str, list[dict]] = {}
+    for row in rows:
+        if row["method"] != PLAIN and row["speedup"] < 1.0:
+            slow.setdefault(row["method"], []).append(row)
+    lines = []
+    for method, group in slow.items():
+        where = ", ".join(f"{r['domain']} {r['speedup']:.2f}x" for r in group)
+        plain = [r["plain_share"] for r in group if r.get("plain_share") is not None]
+        if method.startswith("hf_"):
+            why = "transformers' own loop, which costs more per step than ours (a plain step of its own is slower than ours)"
+        elif plain and min(plain) >= 0.5:
+            why = (
+                f"the controller planned {min(plain):.0%}-{max(plain):.0%} of its steps plain, as drafting does not pay here (a draft "
+                "forward costs a fifth to a quarter of this small target's step); what is left is the proposer's bookkeeping and "
+                "the controller's probes"
+            )
+        else:
+            taus = ", ".join(f"{r['tau']:.2f}" for r in group)
+            why = f"its drafts (tau {taus}) did not cover their drafting and verification on this CPU"
+        lines.append(f"Below 1x: {method} ({where}): {why}.")
+    return lines

@@ -48,3 +48,18 @@ def test_a_text_file_is_one_prompt_or_one_per_paragraph(tokenizer, tmp_path):
     assert [p.source for p in paragraphs] == ["notes.txt:paragraph 1", "notes.txt:paragraph 2", "notes.txt:paragraph 3"]
     with pytest.raises(InputError, match=r"split must be one of \['file', 'paragraph'\], got 'line'"):
         load_domain("notes", text, tokenizer, 8, 32, split="line")
+
+
+def test_the_demo_says_why_a_row_runs_below_plain():
+    from draftsmith.verify.evaluation.demo import below_plain
+
+    def row(method, speedup, plain_share, tau=1.5, domain="code"):
+        return {"domain": domain, "method": method, "speedup": speedup, "plain_share": plain_share, "tau": tau}
+
+    lines = below_plain(
+        [row("plain", 1.0, None), row("ngram", 2.1, 0.0), row("medusa", 0.96, 0.98), row("medusa", 0.97, 0.9, domain="long"),
+         row("eagle3", 0.9, 0.1, tau=3.2), row("hf_assisted[demo_draft]", 0.5, None)]
+    )  # fmt: skip
+    assert len(lines) == 3 and not any("ngram" in line for line in lines)
+    assert lines[0].startswith("Below 1x: medusa (code 0.96x, long 0.97x): the controller planned 90%-98% of its steps plain")
+    assert "tau 3.20" in lines[1] and "transformers' own loop" in lines[2]
