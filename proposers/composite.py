@@ -73,6 +73,10 @@ class CompositeProposer(ProposerBase):
         depths = [member.draft_depth() for member in self.members]
         return None if None in depths else max(depths)
 
+    def draft_width(self) -> int:
+        widths = [member.draft_width() for member in self.members]
+        return max(widths) if self.policy == "first_confident" else sum(widths)  # merged drafts: a trie of every member's
+
     def reset(self) -> None:
         """Reset every member that keeps state across requests."""
         for member in self.members:

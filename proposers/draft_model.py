@@ -124,10 +124,14 @@ class DraftModelProposer(ProposerBase):
         self.cached_tokens: list[int] = []  # tokens whose KV the cache holds, in order (committed or a chain's guesses)
         self._last_depth = 0
         self._pending: tuple[int, list[int]] | None = None  # (committed tokens, tree node of each draft node) of the last propose
+        self._width = tree_width  # this step's tree width (the controller may ask for a chain)
         self._fed: list[int] = []  # tree nodes fed into the cache after the committed tokens, in cache order
 
     def draft_depth(self) -> int:
         return self.k_max if self.dynamic else self.k
+
+    def draft_width(self) -> int:
+        return self.tree_width
 
     def transformers_peer(self) -> TransformersPeer:
         """transformers' assisted generation with the same draft model."""
@@ -186,13 +190,13 @@ class DraftModelProposer(ProposerBase):
             return Draft.empty()
         committed = len(context.tokens)
         root_logits = self._catch_up(context.tokens)
-        self._fed = []
+        self._fed, self._width = [], min(self.tree_width, context.max_width or self.tree_width)
         try:
             grown = grow_dynamic_tree(
                 root_logits,
                 self._score_nodes,
                 depth,
-                self.tree_width,
+                self._width,
                 context.sampling,
                 sampled=not context.sampling.greedy,
                 max_nodes=self.max_nodes,
@@ -216,7 +220,7 @@ class DraftModelProposer(ProposerBase):
             committed, tree_nodes = self._pending
             self._pending = None
             with forward_mode(self.compiled):  # the cache's tensors are written in the mode they were made in
-                if self.tree_width == 1:
+                if self._width == 1:
                     self._crop(committed + result.num_accepted)
                 else:
                     self._keep_accepted(committed, [tree_nodes[i] for i in result.accepted_nodes], result.accepted_tokens)
@@ -287,7 +291,7 @@ class DraftModelProposer(ProposerBase):
 
     def _score_nodes(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
         """Feed ``nodes`` (whose ancestors are cached) in one forward; return their logits ``[len(nodes), vocab]``."""
-        if self.tree_width == 1:  # a chain: the node continues the cached tokens
+        if self._width == 1:  # a chain: the node continues the cached tokens
             return self._forward([tree.tokens[n] for n in nodes])
         device = self.device
         input_ids = torch.tensor([[tree.tokens[n] for n in nodes]], device=device)

@@ -100,11 +100,14 @@ class EagleProposer(ProposerBase):
         # draft logits need a scatter onto target ids only where the draft vocabulary is not the target's in order
         self._draft_ids = None if ids is None or torch.equal(ids, torch.arange(self.vocab_size, device=ids.device)) else ids
         self.cache: PreallocatedLayer | None = None
-        self._features: list[torch.Tensor] = []  # [rows, feature] blocks of positions not yet fed, in order
+        self._features: list[list[torch.Tensor]] = []  # per block of positions not yet fed, in order: its aux layers' [rows, hidden]
         self._fed = 0  # draft entries fed with the target's own features (positions 0 .. fed - 1)
 
     def draft_depth(self) -> int:
         return self.k
+
+    def draft_width(self) -> int:
+        return self.tree_width
 
     def export(self, out_dir: str | Path, format: str = "vllm") -> EngineExport:
         """Write the head in the layout vLLM and SGLang load (its native one), checked tensor by tensor and field by field.
@@ -172,18 +175,24 @@ class EagleProposer(ProposerBase):
     def observe(self, result: VerifyResult, features: TargetFeatures | None) -> None:
         self._features.append(self._feature_rows(features))
 
-    def _feature_rows(self, features: TargetFeatures | None) -> torch.Tensor:
-        """The features of the scored positions ``[rows, feature width]``: the aux layers concatenated (EAGLE-3)."""
+    def _feature_rows(self, features: TargetFeatures | None) -> list[torch.Tensor]:
+        """The scored positions' aux layers, each ``[rows, hidden]``; concatenated when fed (``_pending_features``), not per step."""
         if features is None or any(layer not in features.hidden_states for layer in self.hidden_layers):
             raise ValueError(f"the EAGLE proposer needs the target's hidden layers {list(self.hidden_layers)} with every observe")
-        return torch.cat([features.hidden_states[layer].float() for layer in self.hidden_layers], dim=-1)
+        return [features.hidden_states[layer] for layer in self.hidden_layers]
+
+    def _pending_features(self) -> torch.Tensor:
+        """The features of every position not yet fed, ``[rows, feature width]`` (the aux layers side by side, EAGLE-3), float."""
+        blocks, self._features = self._features, []
+        layers = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*blocks, strict=True)]
+        return (torch.cat(layers, dim=-1) if len(layers) > 1 else layers[0]).float()
 
     @torch.inference_mode()
     def propose(self, context: ProposeContext) -> Draft:
         if self.cache is None:
             raise ValueError("propose() before begin(): the EAGLE proposer needs the prompt's features")
         self.cache.truncate(self._fed)  # drop the last step's tree entries (fed with draft features)
-        depth = min(self.k, context.max_depth)
+        depth, width = min(self.k, context.max_depth), min(self.tree_width, context.max_width or self.tree_width)
         root_hidden, root_logits = self._catch_up(context.tokens)
         if depth < 1:
             return Draft.empty()
@@ -196,7 +205,7 @@ class EagleProposer(ProposerBase):
             hidden = torch.stack([outputs[tree.parents[n]] for n in nodes])[None]
             positions = torch.tensor([committed - 1 + tree.depths[n] for n in nodes], device=self.device)
             mask = None
-            if self.tree_width > 1:
+            if width > 1:
                 mask = incremental_tree_mask(tree.parents, fed, nodes, committed, hidden.dtype).to(self.device)
             out = self.draft.step(tokens, hidden, positions, self.cache, mask)[0]  # [len(nodes), hidden]
             fed.extend(nodes)
@@ -207,7 +216,7 @@ class EagleProposer(ProposerBase):
             root_logits,
             score,
             depth,
-            self.tree_width,
+            width,
             context.sampling,
             sampled=self.sample and not context.sampling.greedy,
             max_nodes=self.max_nodes,
@@ -219,8 +228,7 @@ class EagleProposer(ProposerBase):
 
     def _catch_up(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed every position whose feature is known (the last is the one before the root); return its output and logits."""
-        features = torch.cat(self._features) if len(self._features) > 1 else self._features[0]
-        self._features = []
+        features = self._pending_features()
         start, rows = self._fed, features.shape[0]
         assert start + rows == len(tokens) - 1, f"{rows} new features after {start} entries for {len(tokens)} tokens"
         ids = torch.tensor([tokens[start + 1 : start + 1 + rows]], device=self.device)

@@ -28,7 +28,7 @@ from torch import nn
 from .core.engine import EngineExport, check_format, write_export, write_spec
 from .core.errors import InputError, check_integer
 from .core.proposer import ProposerBase
-from .core.static_tree import StaticTree, static_tree
+from .core.static_tree import RankPath, StaticTree, static_tree
 from .core.types import Draft, ProposeContext, TargetFeatures, VerifyResult
 from .medusa_head import CALIBRATION, DEFAULT_MAX_NODES, MedusaHeads, check_heads_fit, grow_calibrated_tree, load_heads, read_calibration
 
@@ -68,9 +68,13 @@ class MedusaProposer(ProposerBase):
         self.vocab_size = model.vocab_size
         self.tree = _choose_tree(tree, self.calibration, max_nodes, model.num_heads)
         self._hidden: torch.Tensor | None = None  # final hidden state of the last committed position the target scored
+        self._subtrees: dict[tuple[int, int], StaticTree] = {}  # (depth, width) -> the tree's part a step drafts
 
     def draft_depth(self) -> int:
         return self.tree.depth
+
+    def draft_width(self) -> int:
+        return self.tree.width
 
     def begin(self, prompt: list[int], features: TargetFeatures | None) -> None:
         self._hidden = _last_state(features)
@@ -83,11 +87,28 @@ class MedusaProposer(ProposerBase):
         """The tree's tokens from the heads' guesses after the last scored position."""
         if self._hidden is None:
             return Draft.empty()
-        tree = self.tree
+        tree = self._subtree(context.max_depth, context.max_width)
         # only the heads the tree reaches; one product each (a batched bmm is 5x slower for matrix-vector on a CPU)
         logits = torch.stack([self.heads.lm_heads[d](self.heads.blocks[d](self._hidden)) for d in range(tree.depth)])  # [depth, vocab]
-        guesses = logits.topk(tree.width, dim=-1).indices.cpu()  # [depth, width]
-        return Draft(guesses[tree.depths - 1, tree.ranks], tree.parents)
+        top = logits.float().softmax(-1).topk(tree.width, dim=-1)  # [depth, width]
+        at = (tree.depths - 1, tree.ranks)
+        return Draft(top.indices.cpu()[at], tree.parents, scores=top.values.cpu()[at].tolist())
+
+    def _subtree(self, max_depth: int, max_width: int | None) -> StaticTree:
+        """The tree's nodes at most ``max_depth`` deep, each node's first ``max_width`` children only (``limit_width``'s rule)."""
+        key = (min(max_depth, self.tree.depth), min(max_width or self.tree.width, self.tree.width))
+        if key == (self.tree.depth, self.tree.width):
+            return self.tree
+        if key not in self._subtrees:
+            depth, width = key
+            kept: dict[RankPath, int] = {(): 0}  # kept path -> its kept children so far
+            for path in self.tree.paths:  # depth first, then rank: a node's children in draft order
+                parent = path[:-1]
+                if len(path) <= depth and parent in kept and kept[parent] < width:
+                    kept[parent] += 1
+                    kept[path] = 0
+            self._subtrees[key] = static_tree([p for p in kept if p], max_depth=depth, what="medusa tree")
+        return self._subtrees[key]
 
     def export(self, out_dir: str | Path, format: str = "vllm") -> EngineExport:
         """Write the heads in vLLM's Medusa layout (their native one) into ``out_dir``, checked tensor by tensor.

@@ -104,6 +104,9 @@ class MtpProposer(ProposerBase):
     def draft_depth(self) -> int:
         return self.k
 
+    def draft_width(self) -> int:
+        return self.tree_width
+
     def export(self, out_dir: str | Path, format: str = "vllm") -> EngineExport:
         """The target with these modules in MiMo's layout, which vLLM serves with ``method: mtp`` (that directory is the model).
 
@@ -165,11 +168,12 @@ class MtpProposer(ProposerBase):
         if not self.caches:
             raise ValueError("propose() before begin(): the MTP proposer needs the prompt's features")
         tokens, n = context.tokens, len(context.tokens)
-        depth = min(self.k, context.max_depth)
-        if self.tree_width > 1:
+        depth, width = min(self.k, context.max_depth), min(self.tree_width, context.max_width or self.tree_width)
+        if width > 1:
             return self._tree(context, depth)
         guesses: list[int] = []
         rows: list[torch.Tensor | None] = []
+        scores: list[float] = []
         current = None
         for m in range(self._prepare(tokens, depth)):
             if m == 0:
@@ -178,9 +182,10 @@ class MtpProposer(ProposerBase):
                 inputs = torch.cat([self._inputs(m)[-1:], current if m > 1 else current[:0]])
                 ids = torch.tensor([guesses], device=self.device)
                 current = self.modules.step(m, ids, inputs[None], torch.arange(n - 1 - m, n - 1, device=self.device), self.caches[m])[0]
-            guess, row = self._choose(self.modules.logits(m, current[-1:])[0], context)
+            guess, row, score = self._choose(self.modules.logits(m, current[-1:])[0], context)
             guesses.append(guess)
             rows.append(row)
+            scores.append(score)
         if len(guesses) == self.num_modules:
             last, hidden = self.num_modules - 1, current[-1:]
             for extra in range(len(guesses), depth):  # recursive: the last module, one position further each time
@@ -188,12 +193,13 @@ class MtpProposer(ProposerBase):
                 hidden = self.modules.step(
                     last, torch.tensor([[guesses[-1]]], device=self.device), hidden[None], position, self.caches[last]
                 )[0]
-                guess, row = self._choose(self.modules.logits(last, hidden)[0], context)
+                guess, row, score = self._choose(self.modules.logits(last, hidden)[0], context)
                 guesses.append(guess)
                 rows.append(row)
+                scores.append(score)
         if not guesses:
             return Draft.empty()
-        return Draft.chain(guesses, torch.stack(rows) if rows[0] is not None else None)
+        return Draft.chain(guesses, torch.stack(rows) if rows[0] is not None else None, scores=scores)
 
     def _tree(self, context: ProposeContext, depth: int) -> Draft:
         """A top-``tree_width`` tree through the shared builder; a node at depth d is scored by module d + 1 over its path."""
@@ -259,9 +265,11 @@ class MtpProposer(ProposerBase):
             self._append(m + 1, out)
 
     @staticmethod
-    def _choose(logits: torch.Tensor, context: ProposeContext) -> tuple[int, torch.Tensor | None]:
-        """The greedy guess (a point mass), or a sample with the distribution it was drawn from."""
+    def _choose(logits: torch.Tensor, context: ProposeContext) -> tuple[int, torch.Tensor | None, float]:
+        """The greedy guess (a point mass), or a sample with the distribution it was drawn from; and its draft probability."""
         if context.sampling.greedy:
-            return int(logits.argmax()), None
+            top = logits.float().softmax(-1).max(-1)
+            return int(top.indices), None, float(top.values)
         probs = logits_to_probs(logits.float().cpu(), context.sampling)
-        return int(torch.multinomial(probs, 1, generator=context.generator)), probs
+        guess = int(torch.multinomial(probs, 1, generator=context.generator))
+        return guess, probs, float(probs[guess])

@@ -65,6 +65,9 @@ class NgramProposer(ProposerBase):
     def draft_depth(self) -> int:
         return self.k
 
+    def draft_width(self) -> int:
+        return self.branches
+
     def begin(self, prompt: list[int], features: TargetFeatures | None) -> None:
         self._index = {}
         self._indexed = 0
@@ -101,10 +104,10 @@ class NgramProposer(ProposerBase):
         tokens = context.tokens
         self._update_index(tokens)
         depth = min(self.k, context.max_depth)
-        continuations = self._continuations(tokens, depth)
+        continuations = self._continuations(tokens, depth, min(self.branches, context.max_width or self.branches))
         if not continuations:
             return Draft.empty()
-        if self.branches == 1:
+        if len(continuations) == 1:
             return Draft.chain(continuations[0])
         return merge_drafts([Draft.chain(c) for c in continuations], self.max_nodes)
 
@@ -117,7 +120,7 @@ class NgramProposer(ProposerBase):
                 self._index.setdefault(tuple(tokens[end - n : end]), []).append(end)
         self._indexed = max(self._indexed, len(tokens))
 
-    def _continuations(self, tokens: list[int], depth: int) -> list[list[int]]:
+    def _continuations(self, tokens: list[int], depth: int, branches: int) -> list[list[int]]:
         """Up to ``branches`` distinct continuations, longest suffix match first, then the latest (or earliest) occurrence first."""
         found: list[list[int]] = []
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
@@ -126,7 +129,7 @@ class NgramProposer(ProposerBase):
                 continuation = _copy(tokens, start, depth) if self.wrap else tokens[start : start + depth]
                 if continuation not in found:
                     found.append(continuation)
-                    if len(found) == self.branches:
+                    if len(found) == branches:
                         return found
         return found
 

@@ -114,6 +114,9 @@ class SuffixProposer(ProposerBase):
     def draft_depth(self) -> int:
         return self.k
 
+    def draft_width(self) -> int:
+        return self.max_nodes  # a tree of the continuations seen, as wide as its budget
+
     def reset(self) -> None:
         """Forget every request seen since construction (the global store goes back to ``store``)."""
         self.cache = SuffixTrie(self.depth)
@@ -131,21 +134,22 @@ class SuffixProposer(ProposerBase):
         self._pending = True
 
     def _start(self, prompt: list[int]) -> None:
+        """A new request's state; its trie catches up with the context only when asked to draft (``propose``)."""
         self._request = SuffixTrie(self.depth)
-        self._tokens: list[int] = []
+        self._tokens: list[int] = []  # the request's tokens its trie holds
         self._request.seqs[0] = self._tokens
+        self._seen = list(prompt)  # every token of the request so far
         self._active: list[int] = []
         self._matches: list[tuple[int, int]] = []
         self._prompt_len = len(prompt)
-        self._extend(prompt)
 
     def observe(self, result: VerifyResult, features: TargetFeatures | None) -> None:
-        self._extend(result.committed)
+        self._seen += result.committed  # cheap: steps the controller plans plain never build the trie
 
     def flush(self) -> None:
         """Add the request in progress (or just finished) to the global store, once."""
         if self._pending and self.global_store:
-            self._cache(self._tokens if self.cache_prompts else self._tokens[self._prompt_len :])
+            self._cache(self._seen if self.cache_prompts else self._seen[self._prompt_len :])
         self._pending = False
 
     def export(self, out_dir: str | Path, format: str = "vllm") -> EngineExport:
@@ -174,6 +178,7 @@ class SuffixProposer(ProposerBase):
         tokens = context.tokens
         if len(tokens) < len(self._tokens):  # a new request without begin(): start over
             self.begin(tokens, None)
+        self._seen[len(self._tokens) :] = tokens[len(self._tokens) :]  # the context is the truth (a caller may not observe)
         self._extend(tokens[len(self._tokens) :])
         depth = min(self.k, context.max_depth)
         best: tuple[list[int], list[int], float] = ([], [], 0.0)

@@ -6,12 +6,14 @@ row is nearly free on a GPU, a sixteenth of a step on this CPU), on the proposer
 the text, so the controller measures them itself while it decodes and decides per step:
 
 0. plan (before the proposer drafts, from the past only): the depth to draft, 0 being a
-   plain step. For each depth D it expects ``1 + sum_{d <= D} u_d`` tokens, u_d the
-   recent share of steps drafted at least d deep whose accepted path reached depth d,
-   against the seconds its steps planned at D took (drafting, and the rest of the step:
-   the target's forward of their rows, the sampler, the commit), measured per depth and
-   carried to the depths not yet measured by the cost of a row and of a level; the best
-   rate wins, plain decoding (one token per plain step) included.
+   plain step, and the shape: a chain, or the proposer's own tree where it drafts trees
+   (``Proposer.draft_width`` > 1; ``ProposeContext.max_width`` tells it). For each shape
+   and depth D it expects ``1 + sum_{d <= D} u_d`` tokens, u_d the recent share of that
+   shape's steps drafted at least d deep whose accepted path reached depth d, against the
+   seconds its steps planned at D took (drafting, and the rest of the step: the target's
+   forward of their rows, the sampler, the commit), measured per depth and carried to the
+   depths not yet measured by the cost of a row and of a level (``verify.estimates``);
+   the best rate wins, plain decoding (one token per plain step) included.
 1. trim (after, with the draft's own values): each node's chance to be accepted is its
    calibrated confidence (``Draft.scores``, binned per source and depth, learned from
    every verification) times its parent's; the nodes are kept best first while a row's
@@ -23,11 +25,14 @@ the text, so the controller measures them itself while it decodes and decides pe
    over the rows); the outcome updates u_d, the rows per depth and the calibration bins. The
    running averages follow the context as it grows.
 
-A proposer that stopped paying is asked again now and then (a probe, at intervals that
-double while probes lose and reset when one wins), and one that pays is now and then
-tried one depth deeper, so the controller follows the text when it turns predictable or
-stops being so. Its state lives across requests (costs are the machine's), with the
-acceptance side forgetting old steps quickly.
+A proposer that stopped paying is asked again now and then (a probe: two drafted steps,
+as often as a credit of 1% of the plain steps' time covers what probes lose, so they follow
+each other quickly when they win), and one that pays is now and then tried one depth
+deeper or in its other shape, so the controller follows the text when it turns
+predictable or stops being so. A draft after plain steps first feeds the proposer what
+they committed; that catching up is priced (a line in the positions) and must pay back.
+Its state lives across requests (costs are the machine's), with the acceptance side
+forgetting old steps quickly.
 
 Exactness: the plan uses committed outcomes and timings only, and a trim is applied only
 where any choice of nodes is exact, so greedy output stays token-identical to plain
@@ -43,6 +48,8 @@ from dataclasses import dataclass
 from draftsmith.proposers.core.tree import keep_nodes
 from draftsmith.proposers.core.types import Draft, VerifyResult
 
+from .estimates import RunningLine, ShapeEstimates, average
+
 CONFIDENCE_EDGES = (0.05, 0.15, 0.3, 0.5, 0.7, 0.85, 0.95)  # calibration bins of a node's own draft probability
 CONFIDENCE_MIDS = (0.025, 0.1, 0.225, 0.4, 0.6, 0.775, 0.9, 0.975)  # each bin's prior acceptance
 DEPTH_BUCKETS = 4  # calibration by depth 1, 2, 3 and 4+
@@ -52,49 +59,24 @@ DEFAULT_DEPTH = 8  # planned depths for a proposer that states no limit
 REFRESH_EVERY = 4  # observed steps between recomputations of the plan's estimates (they move slowly)
 PLAIN_EVERY = 64  # drafted steps between plain steps that keep the plain cost measured
 PLAIN_SAMPLES = 4  # until a plain step has been measured this often, every fourth step is one
-PROBE_SHARE = 0.05  # the most of the plain steps' time since the last probe that a probe's catching up may cost
+PROBE_BUDGET = 0.01  # the share of the plain steps' time that probes may lose, over what they win back
 MARGIN = 0.05  # drafting must promise this much more than plain decoding: a tie is noise, and drafting's variance is not free
-FIRST_PRIOR = 0.3  # the prior share of steps accepting a first draft token, worth one step of counts
-STALE = 0.97  # per drafted step, what a depth's counts keep while that depth is not drafted: its prior takes over again
-AVERAGE = 0.1  # the weight of a new measurement in a running cost average (a window of ~10 steps)
-DRAFT_AVERAGE = 0.25  # the weight of a drafting measurement in the scale every depth's drafting cost shares
-
-
-class RunningLine:
-    """``y ~ a + b x`` by weighted least squares with exponential forgetting, kept as running moments (O(1) per point).
-
-    Args:
-        forget: each older point weighs this much less (0.98: a window of ~50).
-    """
-
-    def __init__(self, forget: float):
-        self.forget, self.count = forget, 0
-        self.n = self.x = self.y = self.xx = self.xy = 0.0
-
-    def update(self, x: float, y: float) -> None:
-        f = self.forget
-        self.n, self.x, self.y = f * self.n + 1.0, f * self.x + x, f * self.y + y
-        self.xx, self.xy = f * self.xx + x * x, f * self.xy + x * y
-        self.count += 1
-
-    def line(self) -> tuple[float, float]:
-        """(a, b); b is 0 until the points spread along x."""
-        mean_x, mean_y = self.x / self.n, self.y / self.n
-        spread = self.xx / self.n - mean_x * mean_x
-        slope = (self.xy / self.n - mean_x * mean_y) / spread if spread > 1e-9 else 0.0
-        return mean_y - slope * mean_x, slope
 
 
 @dataclass(frozen=True)
 class Plan:
-    """One step's plan: the depth to draft (0: a plain step), and whether it is a probe of a depth the estimates do not favour.
+    """One step's plan: the depth to draft (0: a plain step), the shape, and whether it probes what the estimates do not favour.
 
-    ``whole``: verify the whole draft, untrimmed, so that the calibration sees what a trim hides.
+    ``shape``: the index of the draft shape (``Controller.shapes``); ``width`` its most
+    children per node (1: a chain; None: as the proposer drafts). ``whole``: verify the
+    whole draft, untrimmed, so that the calibration sees what a trim hides.
     """
 
     depth: int
     probe: bool = False
     whole: bool = False
+    shape: int = 0
+    width: int | None = None
 
 
 class Controller:
@@ -102,43 +84,48 @@ class Controller:
 
     Args:
         max_depth: the deepest the proposer drafts (``Proposer.draft_depth``; None: ``DEFAULT_DEPTH``).
+        max_width: the most children it gives a node (``Proposer.draft_width``); above 1 a
+            chain is one more shape to choose from, next to the proposer's tree.
         decay: how much the acceptance side forgets per drafted step (0.9: a window of ~10 steps).
-        probe_every: plain steps before the first probe; the interval doubles while probes lose.
-        max_probe_every: the longest interval between probes.
+        probe_every: the fewest plain steps between probes (what they may lose sets the rest: ``PROBE_BUDGET``).
         explore_every: drafted steps between probes of the planned depth's neighbourhood (one
-            depth deeper, and the whole draft verified so that the calibration sees what a trim hides).
+            depth deeper, or the other shape, and the whole draft verified so that the
+            calibration sees what a trim hides).
     """
 
     def __init__(
         self,
         max_depth: int | None,
+        max_width: int = 1,
         decay: float = 0.9,
         probe_every: int = 4,
-        max_probe_every: int = 128,
         explore_every: int = 16,
     ):
         self.max_depth = max_depth or DEFAULT_DEPTH
-        self.decay, self.probe_base, self.max_probe_every, self.explore_every = decay, probe_every, max_probe_every, explore_every
-        d = self.max_depth + 1
+        self.decay, self.probe_every, self.explore_every = decay, probe_every, explore_every
+        # a proposer that drafts trees may also draft a chain: the shapes to choose from, the chain first
+        self.shapes = (
+            [ShapeEstimates(1, self.max_depth), ShapeEstimates(None, self.max_depth)]
+            if max_width > 1
+            else [ShapeEstimates(None, self.max_depth)]
+        )
         self.plain_seconds: float | None = None  # a plain step, running average
-        self.draft_base: list[float | None] = [None] * d  # drafting per planned depth in steady state, over ``draft_scale``
-        self.draft_scale = 1.0  # what every depth's drafting cost is multiplied by (``_learn_draft_cost``)
-        self.draft_seconds: list[float | None] = [None] * d  # the product: drafting's seconds per planned depth
-        # the rest of a step beyond a plain step's, per planned depth: a plain step's cost grows with the context, and
-        # what drafting adds to it much less, so the difference stays right as the context moves between measurements
-        self.verify_seconds: list[float | None] = [None] * d
+        self.draft_scale = 1.0  # what every shape's and depth's drafting cost is multiplied by (``learn_draft_cost``)
         self.rows_model = RunningLine(0.98)  # the rest of a drafted step against its nodes beyond the first
-        self.reached, self.accepted, self.rows = [0.0] * d, [0.0] * d, [0.0] * d  # decayed, per depth 1..max (index 0 unused)
-        self.stamp = [0] * d  # the drafted step at which each depth's counts were last updated
         self.bins: dict[str, list[list[float]]] = {}  # source -> per calibration bin [accepted, rejected], decayed
-        self.probe_every, self.plain_run, self.drafted_steps, self.probe_pending = probe_every, 0, 0, False
+        self.plain_run, self.drafted_steps, self.probe_pending = 0, 0, False
+        self.probe_credit = 0.0  # seconds probes may still lose: PROBE_BUDGET of every plain step, less what probes lost
+        self.probe_loss: float | None = None  # what a probe's two steps lose beyond their catching up (average; None: unknown)
+        self._probe = (0.0, 0, 0.0)  # the probe under way: (its catching up as priced, tokens, seconds)
         self.since_plain, self.plain_samples = PLAIN_SAMPLES, 0  # the first step is a plain one
-        self.last_drafted = 0  # the context length at the last draft: the proposer catches up from there
-        self.catch_up = 0.0  # seconds per committed position a proposer feeds when it drafts after plain steps (average)
-        self.planned: list[int] = [0] * d  # steps planned at each depth (0: plain), over the controller's life
+        self.missed: int | None = None  # positions committed by plain steps since the last draft (None: the whole context)
+        self.catch_up = RunningLine(0.9)  # what a draft costs beyond its drafting against the positions it catches up
+        self.plain_steps = 0  # steps planned plain, over the controller's life
         self.seconds = 0.0  # the controller's own work
-        self._estimates: tuple[list[float], list[float | None]] | None = None  # (shares, plan costs), refreshed now and then
-        self._decisions: dict[int, tuple[int, int]] = {}  # room -> (plan, best drafting depth), with the estimates
+        self._estimates: list[tuple[list[float], list[float | None]]] | None = (
+            None  # per shape (shares, plan costs), refreshed now and then
+        )
+        self._decisions: dict[int, tuple[int, int, int]] = {}  # room -> (plan depth, shape, best drafting depth), with the estimates
         self._rows_cost: tuple[float, float] | None = None  # ``_row_costs``, until the rows line is next updated
         self._chances: dict[str, list[float]] = {}  # source -> each bin's chance, until its bins are next updated
         self.observed = 0
@@ -154,127 +141,106 @@ class Controller:
             self._rows_cost = max(first, 1e-6), max(per_row, 0.0)
         return self._rows_cost
 
-    def _plan_costs(self, mean_rows: list[float]) -> list[float | None]:
-        """Seconds of a step planned at each depth (index 0: a plain step); None where nothing says yet.
-
-        A depth not measured yet costs the nearest measured one's, plus its extra rows at the
-        rows model's price, plus its drafting scaled by depth (``_draft_costs``).
-        """
-        _, per_row = self._row_costs()
-        drafting = self._draft_costs()
-        measured = [d for d in range(1, len(self.verify_seconds)) if self.verify_seconds[d] is not None]
-        plain = self.plain_seconds
-        costs: list[float | None] = [plain]
-        for depth in range(1, len(self.verify_seconds)):
-            if plain is not None and self.verify_seconds[depth] is not None:
-                costs.append(plain + drafting[depth] + self.verify_seconds[depth])
-            elif plain is not None and measured:
-                near = min(measured, key=lambda d: abs(d - depth))
-                costs.append(plain + drafting[depth] + self.verify_seconds[near] + per_row * (mean_rows[depth] - mean_rows[near]))
-            else:
-                costs.append(None)
-        return costs
-
-    def _draft_costs(self) -> list[float]:
-        """Seconds of drafting per planned depth (index 0 unused): measured where drafted, else scaled from the nearest.
-
-        A sequential drafter's cost grows with depth, one forward per level (and one to catch
-        up): an unmeasured depth D costs the nearest measured depth k's times (D + 1) / (k + 1).
-        """
-        seen = [(d, s) for d, s in enumerate(self.draft_seconds) if s is not None]
-        out = []
-        for depth, known in enumerate(self.draft_seconds):
-            if known is not None or not seen:
-                out.append(known or 0.0)
-            else:
-                near, seconds = min(seen, key=lambda item: abs(item[0] - depth))
-                out.append(seconds * (depth + 1) / (near + 1))
-        return out
-
     def start(self) -> None:
         """A new request: its proposer has fed none of its context yet (the first draft catches up the prompt)."""
-        self.last_drafted = 0
+        self.missed = None
 
     # -- 0. plan -------------------------------------------------------------------------
 
     def plan(self, context: int, room: int) -> Plan:
-        """The depth to draft with ``room`` depths left (0: a plain step); ``context`` is the committed length."""
+        """The depth and shape to draft with ``room`` depths left (depth 0: a plain step); ``context`` is the committed length."""
         tick = time.perf_counter()
         deepest = min(self.max_depth, room)
         if self._estimates is None:
-            self._estimates, self._decisions = self._estimate(), {}
+            per_row = self._row_costs()[1]
+            self._estimates = [shape.estimate(self.drafted_steps, self.plain_seconds, per_row, self.draft_scale) for shape in self.shapes]
+            self._decisions = {}
         decision = self._decisions.get(deepest)
         if decision is None:
             decision = self._decisions[deepest] = self._decide(deepest)
-        catch_up = self.catch_up * max(context - self.last_drafted - 1, 0)  # what the next draft feeds before drafting
-        if catch_up and decision[0] and not self._pays_back(decision[0], catch_up, room):
-            decision = (0, decision[1])
-        plan = self._explore(*decision, deepest, catch_up)
-        self.planned[plan.depth] += 1
+        depth, shape, drafting = decision
+        catch_up = self._catch_up_cost(context if self.missed is None else self.missed)  # what the next draft feeds first
+        if catch_up and depth and not self._pays_back(shape, depth, catch_up, room):
+            depth = 0
+        plan = self._explore(depth, shape, drafting, deepest, catch_up)
+        if plan.depth:
+            self.shapes[plan.shape].planned[plan.depth] += 1
+        else:
+            self.plain_steps += 1
         self.seconds += time.perf_counter() - tick
         return plan
 
-    def _pays_back(self, depth: int, catch_up: float, room: int) -> bool:
+    def _catch_up_cost(self, positions: int) -> float:
+        """Seconds a draft costs beyond its drafting when it first feeds ``positions`` positions plain steps committed."""
+        if positions <= 1 or not self.catch_up.count:
+            return 0.0
+        fixed, per_position = self.catch_up.line()
+        return max(fixed, 0.0) + max(per_position, 0.0) * positions
+
+    def _pays_back(self, shape: int, depth: int, catch_up: float, room: int) -> bool:
         """Whether drafting at ``depth`` still beats a plain step by the margin with ``catch_up`` seconds spread over the request's rest."""
-        shares, costs = self._estimates
+        shares, costs = self._estimates[shape]
         expected = 1.0 + sum(shares[1 : depth + 1])
         steps = max(room / expected, 1.0)
-        plain = costs[0]
-        return plain is None or expected * plain > (1.0 + MARGIN) * (costs[depth] + catch_up / steps)
+        plain, cost = costs[0], costs[depth]
+        return plain is None or cost is None or expected * plain > (1.0 + MARGIN) * (cost + catch_up / steps)
 
-    def _decide(self, deepest: int) -> tuple[int, int]:
-        """(the depth to plan, 0 for a plain step; the best drafting depth) from the current estimates."""
-        shares, costs = self._estimates
-        expected, drafting, drafting_rate = 1.0, 0, 0.0
+    def _best_depth(self, shape: int, deepest: int) -> tuple[int, float]:
+        """(the depth of ``shape`` with the best expected tokens per second, that rate: inf where a cost is unknown)."""
+        shares, costs = self._estimates[shape]
+        expected, best, best_rate = 1.0, 0, 0.0
         for depth in range(1, deepest + 1):
             expected += shares[depth]
             cost = costs[depth]
             rate = expected / cost if cost is not None else float("inf")  # unmeasured: try it
-            if rate > drafting_rate:
-                drafting, drafting_rate = depth, rate
-        plain = costs[0]
-        return (drafting if plain is None or drafting_rate * plain > 1.0 + MARGIN else 0), drafting
+            if rate > best_rate:
+                best, best_rate = depth, rate
+        return best, best_rate
 
-    def _estimate(self) -> tuple[list[float], list[float | None]]:
-        """Per depth (index 0: a plain step): the share of steps whose accepted path reaches it, and a step's seconds."""
-        reached, accepted, rows, stamp, now = self.reached, self.accepted, self.rows, self.stamp, self.drafted_steps
-        shares, mean_rows = [1.0], [0.0]
-        prior, prior_rows, above = FIRST_PRIOR, 0.0, 1.0
-        for depth in range(1, self.max_depth + 1):
-            kept = STALE ** (now - stamp[depth])  # counts of a depth not drafted lately weigh less
-            seen = kept * reached[depth] + 1.0  # one pseudo-step of the prior extrapolated from the depth above
-            share = (kept * accepted[depth] + prior) / seen
-            shares.append(share)
-            mean_rows.append((kept * rows[depth] + prior_rows + 1.0) / seen)
-            # the next depth's prior: this share times this depth's conditional acceptance
-            prior, prior_rows, above = share * min(max(share / above, 0.3), 0.95), mean_rows[-1], share
-        return shares, self._plan_costs(mean_rows)
+    def _decide(self, deepest: int) -> tuple[int, int, int]:
+        """(the depth to plan, 0 for a plain step; its shape; the best drafting depth of that shape) from the estimates."""
+        choices = [(*self._best_depth(shape, deepest), shape) for shape in range(len(self.shapes))]
+        drafting, rate, shape = max(choices, key=lambda choice: choice[1])  # the first shape (the chain) on a tie
+        plain = self.plain_seconds
+        return (drafting if plain is None or rate * plain > 1.0 + MARGIN else 0), shape, drafting
 
-    def _explore(self, best: int, drafting: int, deepest: int, catch_up: float = 0.0) -> Plan:
-        """Probe a proposer that is off, now and then; probe around the planned depth, and measure a plain step, now and then.
+    def _plan(self, depth: int, shape: int, probe: bool = False, whole: bool = False) -> Plan:
+        return Plan(depth, probe, whole, shape, self.shapes[shape].width)
 
-        A probe is due after ``probe_every`` plain steps, and only when the catching up it
-        costs (the positions the proposer has not fed, at the measured price) is at most
-        ``PROBE_SHARE`` of the plain steps' time since the last one: exploration stays a
-        bounded share of the time even where a long prompt makes the first draft dear.
+    def _explore(self, best: int, shape: int, drafting: int, deepest: int, catch_up: float = 0.0) -> Plan:
+        """Probe a proposer that is off, now and then; probe around the planned depth and shape, and measure a plain step, now and then.
+
+        Probes pay for themselves: every plain step adds ``PROBE_BUDGET`` of its seconds to a
+        credit, and a probe (at least ``probe_every`` plain steps after the last) waits until the
+        credit covers what it is expected to lose: its catching up (the positions the
+        proposer has not fed, at the measured price) and what the last probes lost beyond
+        theirs. What a probe loses comes off the credit, what it wins goes on it, so probes
+        cost at most about 1% of the time where drafting does not pay (a long prompt's dear
+        first draft included), and follow each other quickly once the text turns predictable.
+        Exploring a drafting proposer alternates one depth deeper with the other shape's best depth.
         """
         if best and (self.since_plain >= (PLAIN_EVERY if self.plain_samples >= PLAIN_SAMPLES else PLAIN_SAMPLES)):
             return Plan(0)  # keep the plain cost measured: often until it has a few samples, then now and then
         if best == 0:
             if self.probe_pending:  # a probe is two drafted steps: the second one's drafting is not a catch-up, so it is measured
                 self.probe_pending = False
-                return Plan(drafting, probe=True)
+                return self._plan(drafting, shape, probe=True)
             self.plain_run += 1
-            affordable = self.plain_seconds is None or catch_up <= PROBE_SHARE * self.plain_run * self.plain_seconds
-            if drafting and self.plain_run >= self.probe_every and affordable:
-                self.plain_run, self.probe_pending = 0, True
-                return Plan(drafting, probe=True)
+            if self.plain_seconds is not None:
+                self.probe_credit += PROBE_BUDGET * self.plain_seconds
+            expected_loss = catch_up + max(self.probe_loss or 0.0, 0.0)
+            if drafting and self.plain_run >= self.probe_every and self.probe_credit >= expected_loss:
+                self.plain_run, self.probe_pending, self._probe = 0, True, (catch_up, 0, 0.0)
+                return self._plan(drafting, shape, probe=True)
             return Plan(0)
-        self.plain_run, self.probe_every = 0, self.probe_base
+        self.plain_run = 0
         self.drafted_steps += 1
-        if self.drafted_steps % self.explore_every == 0:
-            return Plan(min(best + 1, deepest), probe=True, whole=True)
-        return Plan(best)
+        if self.drafted_steps % self.explore_every:
+            return self._plan(best, shape)
+        if len(self.shapes) > 1 and self.drafted_steps // self.explore_every % 2:
+            other = 1 - shape
+            return self._plan(self._best_depth(other, deepest)[0] or best, other, probe=True, whole=True)
+        return self._plan(min(best + 1, deepest), shape, probe=True, whole=True)
 
     # -- 1. trim -------------------------------------------------------------------------
 
@@ -338,62 +304,43 @@ class Controller:
             self._estimates = None
         rest = max(step_seconds - draft_seconds, 1e-6)
         if plan.depth == 0:
-            self.plain_seconds = _average(self.plain_seconds, rest)
+            self.plain_seconds = average(self.plain_seconds, rest)
+            if self.missed is not None:
+                self.missed += len(result.committed)
             self.since_plain, self.plain_samples = 0, self.plain_samples + 1
         else:
+            shape = self.shapes[plan.shape]
             self.since_plain += 1
-            backlog, self.last_drafted = context - self.last_drafted, context
-            if backlog <= 2:  # steady state: the first draft after plain steps also catches them up
-                self._learn_draft_cost(plan.depth, draft_seconds)
-            elif self.draft_seconds[plan.depth] is not None:  # a catch-up: what it cost per position beyond the drafting
-                extra = max(draft_seconds - self.draft_seconds[plan.depth], 0.0) / (backlog - 1)
-                self.catch_up = extra if not self.catch_up else (1.0 - AVERAGE) * self.catch_up + AVERAGE * extra
+            missed, self.missed = (context if self.missed is None else self.missed), 0
+            if missed <= 1:  # steady state (one plain step's token is fed as a drafted step's bonus token is)
+                self.draft_scale = shape.learn_draft_cost(plan.depth, draft_seconds, self.draft_scale)
+            elif shape.draft_base[plan.depth] is not None:  # a catch-up: what it cost beyond the drafting
+                self.catch_up.update(float(missed), max(draft_seconds - shape.draft_base[plan.depth] * self.draft_scale, 0.0))
             if self.plain_seconds is not None:
-                self.verify_seconds[plan.depth] = _average(self.verify_seconds[plan.depth], rest - self.plain_seconds)
+                shape.learn_verify_cost(plan.depth, rest - self.plain_seconds)
             if draft.num_nodes:
                 self.rows_model.update(draft.num_nodes - 1.0, rest)
                 self._rows_cost = None
-            self._learn_depths(plan.depth, draft.depth_list, result.num_accepted)
+            shape.learn_depths(plan.depth, draft.depth_list, result.num_accepted, self.decay, self.drafted_steps)
+            if shape is not self.shapes[0]:  # a tree holds the chain of first children: what that chain would have accepted
+                chain = list(range(1, plan.depth + 1))
+                self.shapes[0].learn_depths(plan.depth, chain, _first_children_accepted(draft, result), self.decay, self.drafted_steps)
             if self.observed % 2 or plan.probe:  # half the steps calibrate (and every probe): a bin moves slowly anyway
                 self._learn_bins(draft, result, greedy)
-            if plan.probe and self.plain_run == 0 and not self.probe_pending:  # a probe's second step: back off while probes lose
-                paid = self._paid(result, step_seconds)
-                self.probe_every = self.probe_base if paid else min(2 * self.probe_every, self.max_probe_every)
+            if plan.probe and not plan.whole:
+                self._learn_probe(len(result.committed), step_seconds)
         self.seconds += time.perf_counter() - tick
 
-    def _learn_draft_cost(self, depth: int, seconds: float) -> None:
-        """Learn the drafting cost of ``depth``: a slow average per depth, times one scale that every depth shares.
-
-        The scale follows each measurement's ratio to its depth's estimate quickly (a
-        geometric average, weight 0.25, or 0.5 for a ratio beyond 4x), so a slower drafter or
-        a loaded machine moves every depth's cost within a few steps, and a lone spike only briefly.
-        """
-        base, seconds = self.draft_base[depth], max(seconds, 1e-7)  # a drafter that takes no time still takes a tick
-        expected = base * self.draft_scale if base is not None else self._draft_costs()[depth]  # a new depth: as extrapolated
-        if expected > 0:
-            ratio = seconds / expected
-            self.draft_scale *= ratio ** (DRAFT_AVERAGE if 0.25 < ratio < 4.0 else 2 * DRAFT_AVERAGE)  # a 4x change is rarely noise
-        fresh = seconds / self.draft_scale
-        self.draft_base[depth] = fresh if base is None else (1.0 - AVERAGE) * base + AVERAGE * fresh
-        self.draft_seconds = [None if b is None else b * self.draft_scale for b in self.draft_base]
-
-    def _paid(self, result: VerifyResult, step_seconds: float) -> bool:
-        """Whether a step emitted tokens faster than a plain step is expected to."""
-        return self.plain_seconds is None or len(result.committed) * self.plain_seconds > step_seconds
-
-    def _learn_depths(self, planned: int, depths: list[int], accepted: int) -> None:
-        counts = [0] * (planned + 1)
-        for d in depths:
-            if d <= planned:
-                counts[d] += 1
-        rows, now = 0, self.drafted_steps
-        for d in range(1, planned + 1):
-            decay = self.decay * STALE ** (now - self.stamp[d])
-            rows += counts[d]
-            self.reached[d] = decay * self.reached[d] + 1.0
-            self.accepted[d] = decay * self.accepted[d] + (1.0 if accepted >= d else 0.0)
-            self.rows[d] = decay * self.rows[d] + rows
-            self.stamp[d] = now
+    def _learn_probe(self, tokens: int, seconds: float) -> None:
+        """Count a probe's step; after its second, settle what the pair lost against plain steps with the credit."""
+        priced, before, spent = self._probe
+        self._probe = (priced, before + tokens, spent + seconds)
+        if self.probe_pending or self.plain_seconds is None:
+            return  # the first of the two
+        lost = spent + seconds - (before + tokens) * self.plain_seconds
+        self.probe_credit = min(self.probe_credit - lost, max(lost, self.plain_seconds))  # a win buys the next probe, not a hoard
+        beyond = lost - priced
+        self.probe_loss = beyond if self.probe_loss is None else 0.5 * (self.probe_loss + beyond)
 
     def _learn_bins(self, draft: Draft, result: VerifyResult, greedy: bool) -> None:
         parents, scores, depths, source = draft.parent_list, draft.scores, draft.depth_list, draft.source or ""
@@ -414,20 +361,38 @@ class Controller:
 
     # -- what it knows -------------------------------------------------------------------
 
+    @property
+    def planned(self) -> list[int]:
+        """Steps planned at each depth (index 0: plain) over the controller's life, every shape together."""
+        return [self.plain_steps] + [sum(shape.planned[d] for shape in self.shapes) for d in range(1, self.max_depth + 1)]
+
     def snapshot(self) -> dict:
-        """The current estimates, for stats and tables: costs (ms) and acceptance per depth."""
-        first, per_row = self._row_costs()
-        ms = [None if s is None else round(1000 * s, 3) for s in self._plan_costs([0.0] * len(self.reached))]
+        """The current estimates, for stats and tables: costs (ms) and acceptance per depth, per shape."""
+        per_row = self._row_costs()[1]
+        shapes = [shape.snapshot(self.plain_seconds, per_row, self.draft_scale) for shape in self.shapes]
         return {
-            "plain_step_ms": ms[0],
-            "step_ms_by_depth": ms[1:],
+            "plain_step_ms": None if self.plain_seconds is None else round(1000 * self.plain_seconds, 3),
             "row_ms": round(1000 * per_row, 4),
-            "draft_ms_by_depth": [round(1000 * s, 3) for s in self._draft_costs()[1:]],
-            "accept_share_by_depth": [round(a / r, 3) if r else None for a, r in zip(self.accepted[1:], self.reached[1:], strict=True)],
-            "planned_by_depth": list(self.planned),
-            "probe_every": self.probe_every,
+            "planned_by_depth": self.planned,
+            "shapes": shapes,
+            "probe_credit_ms": round(1000 * self.probe_credit, 3),
+            "probe_loss_ms": None if self.probe_loss is None else round(1000 * self.probe_loss, 3),
+            "catch_up_ms_per_100": round(100 * 1000 * self.catch_up.line()[1], 4) if self.catch_up.count else None,
         }
 
 
-def _average(known: float | None, new: float) -> float:
-    return new if known is None else (1.0 - AVERAGE) * known + AVERAGE * new
+def _first_children_accepted(draft: Draft, result: VerifyResult) -> int:
+    """How far the accepted path runs through first children (in draft order): what the chain of first children would accept.
+
+    The verifier tests a node's children in draft order (all at once at temperature 0, where
+    only one can match), so the first child's test is the same whether siblings follow or not.
+    """
+    parents, first = draft.parent_list, {}
+    for node, parent in enumerate(parents):
+        first.setdefault(parent, node)
+    reach = 0
+    for node in result.accepted_nodes:
+        if first[parents[node]] != node:
+            break
+        reach += 1
+    return reach

@@ -19,7 +19,7 @@ from draftsmith.proposers.core.lean_forward import fast_paths, forward_mode
 from draftsmith.proposers.core.models import check_full_attention, context_limit, decode_threads, output_vocab_size, torch_threads
 from draftsmith.proposers.core.proposer import Proposer, check_proposer
 from draftsmith.proposers.core.sampling import SamplingParams
-from draftsmith.proposers.core.tree import node_depths, prune_depth, validate_draft
+from draftsmith.proposers.core.tree import limit_width, node_depths, prune_depth, validate_draft
 from draftsmith.proposers.core.types import Draft, ProposeContext, TargetFeatures, VerifyResult
 
 from .controller import Controller, Plan
@@ -140,7 +140,7 @@ class SpeculativeDecoder:
             raise InputError(f"proposer vocabulary size {proposer_vocab} differs from the target's {self.vocab_size}")
         # one controller per decoder: the costs it learns are this machine's, across requests
         if controller is None and self.proposer is not None and adaptive:
-            controller = Controller(self.proposer.draft_depth())
+            controller = Controller(self.proposer.draft_depth(), self.proposer.draft_width())
         self.controller = controller if self.proposer is not None else None
 
     def generate(
@@ -241,10 +241,10 @@ class SpeculativeDecoder:
         if plan.depth == 0:
             return DraftStep(plan, Draft.empty())
         tick = time.perf_counter()
-        draft = self.proposer.propose(ProposeContext(tokens, plan.depth, sampling, generator))
+        draft = self.proposer.propose(ProposeContext(tokens, plan.depth, sampling, generator, plan.width))
         seconds = time.perf_counter() - tick
         validate_draft(draft, self.vocab_size)
-        draft = prune_depth(draft, plan.depth)
+        draft = limit_width(prune_depth(draft, plan.depth), plan.width)
         if controller is None or plan.whole:  # what trimming would hide is what an exploring step learns from
             return DraftStep(plan, draft, None, seconds)
         trimmed, kept = controller.trim(draft, len(tokens), sampling.greedy or draft.draft_probs is None)

@@ -44,6 +44,9 @@ class Proposer(Protocol):
     def draft_depth(self) -> int | None:
         """The deepest it drafts (its ``k``; the speculation controller plans depths up to it); None: no fixed limit."""
 
+    def draft_width(self) -> int:
+        """The most children it gives a node (its tree's width; 1: it drafts chains). Above 1 the controller chooses chain or tree."""
+
     def transformers_peer(self) -> TransformersPeer | None:
         """transformers' own version of this method, for side-by-side evaluation (None: it has none)."""
 
@@ -65,6 +68,9 @@ class ProposerBase:
 
     def draft_depth(self) -> int | None:
         return None
+
+    def draft_width(self) -> int:
+        return 1
 
     def transformers_peer(self) -> TransformersPeer | None:
         return None

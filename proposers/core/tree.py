@@ -125,17 +125,27 @@ def keep_nodes(draft: Draft, keep: list[int]) -> Draft:
     return kept
 
 
-def limit_draft(draft: Draft, max_depth: int, max_nodes: int | None = None) -> Draft:
-    """``draft`` without the nodes deeper than ``max_depth`` or past the first ``max_nodes`` (in draft order).
+def limit_width(draft: Draft, max_width: int | None) -> Draft:
+    """``draft`` with each node's first ``max_width`` children only (in draft order) and their subtrees; None: as is.
 
-    Parents come before children, so the first nodes are closed under ancestors; and a
-    node's place in the order depends only on the nodes drawn before it, never on its own
-    value, so the cut keeps a sampled tree's law (``grow_dynamic_tree``'s draw budget).
+    A node's place among its siblings depends only on the siblings drawn before it, never
+    on its own value, and the verifier tests siblings in that order; so the cut, decided
+    before the draft was drawn, keeps a sampled tree's law.
     """
-    draft = prune_depth(draft, max_depth)
-    if max_nodes is None or draft.num_nodes <= max_nodes:
+    if max_width is None or draft.num_nodes == 0 or draft.is_chain():
         return draft
-    return keep_nodes(draft, list(range(max_nodes)))
+    parents = draft.parent_list
+    children = [0] * (draft.num_nodes + 1)  # children seen so far per parent (index -1: the root's)
+    kept = [False] * draft.num_nodes
+    keep = []
+    for node, parent in enumerate(parents):
+        if parent >= 0 and not kept[parent]:
+            continue
+        children[parent] += 1
+        if children[parent] <= max_width:
+            kept[node] = True
+            keep.append(node)
+    return draft if len(keep) == draft.num_nodes else keep_nodes(draft, keep)
 
 
 def merge_drafts(drafts: list[Draft], max_nodes: int, source: str | None = None) -> Draft:

@@ -96,8 +96,10 @@ class ProposeContext:
         max_depth: the deepest node the verifier will keep (room left in the output and in
             the model's positions, or the speculation controller's depth for this step);
             deeper nodes are pruned, so a proposer saves work by drafting no deeper.
-        max_nodes: the most nodes the verifier will keep this step (the controller's node
-            budget; None: no limit). Nodes past it in draft order are dropped.
+        max_width: the most children per node the verifier will keep this step (1: a chain;
+            None: no limit), the speculation controller's choice of chain or tree. The later
+            children of a node, in draft order, are dropped with their subtrees, so a tree
+            proposer saves work by drafting no wider.
         sampling: the processing to apply to draft distributions.
         generator: the request's seeded generator, for proposers that sample.
     """
@@ -106,7 +108,7 @@ class ProposeContext:
     max_depth: int
     sampling: SamplingParams
     generator: torch.Generator | None = None
-    max_nodes: int | None = None
+    max_width: int | None = None
 
 
 @dataclass(frozen=True)

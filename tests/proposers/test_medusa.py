@@ -99,6 +99,27 @@ def test_drafts_are_the_heads_top_guesses_after_the_last_accepted_position(archi
         assert token == int(ranked[len(path) - 1, path[-1]])
         assert parent == (proposer.tree.paths.index(path[:-1]) if len(path) > 1 else -1)
     assert draft.draft_probs is None  # point masses: the verifier stays exact at every temperature
+    probs = heads(hidden).detach().softmax(-1)
+    expected = [float(probs[len(path) - 1, token]) for path, token in zip(proposer.tree.paths, draft.token_list, strict=True)]
+    assert draft.scores == pytest.approx(expected, rel=1e-5)  # each node's own probability, which the controller calibrates
+
+
+def test_a_narrower_or_shallower_step_drafts_the_trees_part_that_the_decoders_cut_keeps(architectures):
+    """``max_width`` / ``max_depth`` give the nodes ``limit_width(prune_depth(...))`` keeps, and no others (a chain: ranks 0)."""
+    from draftsmith.proposers.core.tree import limit_width, prune_depth
+    from draftsmith.proposers.core.types import ProposeContext
+
+    target, heads = architectures["llama"]
+    proposer = MedusaProposer(heads, tree=TREE, target=target)
+    proposer._hidden = torch.randn(heads.hidden_size)
+    full = proposer.propose(ProposeContext([1, 2], 8, SamplingParams()))
+    assert proposer.draft_width() == proposer.tree.width > 1
+    for depth, width in ((8, 1), (8, 2), (1, None), (2, 1)):
+        part = proposer.propose(ProposeContext([1, 2], depth, SamplingParams(), max_width=width))
+        cut = limit_width(prune_depth(full, depth), width)
+        assert part.token_list == cut.token_list and part.parent_list == cut.parent_list, (depth, width)
+    chain = proposer.propose(ProposeContext([1, 2], 8, SamplingParams(), max_width=1))
+    assert chain.is_chain() and chain.num_nodes == proposer.tree.depth
 
 
 def test_lean_forward_returns_the_models_hidden_states(make_llama):

@@ -65,7 +65,9 @@ class Checked(MtpProposer):
             for m, guess in enumerate(guesses):
                 rows = n - 1  # positions 0 .. n - 2; row p reads token p + m + 1
                 hidden = self.modules.causal(m, sequence[:, m + 1 : m + 1 + rows], hidden[:, :rows])
-                assert int(self.modules.logits(m, hidden[0, -1]).argmax()) == guess, (n, m)
+                logits = self.modules.logits(m, hidden[0, -1])
+                assert int(logits.argmax()) == guess, (n, m)
+                assert draft.scores[m] == pytest.approx(float(logits.float().softmax(-1).max()), rel=1e-4)  # its own confidence
         self.checked += 1
         return draft
 

@@ -80,6 +80,55 @@ def test_a_useless_proposer_is_switched_to_plain_within_10_steps():
     assert sum(d == 0 for d in plans[10:]) >= 0.9 * 200, plans
 
 
+def simulate_shapes(controller: Controller, steps: int, first: float, second: float, costs, seed: int = 0) -> list[Plan]:
+    """Drive a chain-or-tree controller: the tree gives each first child a sibling (its ``width``: 2), the chain does not.
+
+    At each depth the first child is accepted with chance ``first``; else a tree's second
+    child with chance ``second``, which ends the path (it has no children).
+    """
+    rng, plans = random.Random(seed), []
+    for _ in range(steps):
+        plan = controller.plan(context=100, room=8)
+        plans.append(plan)
+        if plan.depth == 0:
+            draft = Draft.empty()
+            accepted = []
+        else:
+            tree = plan.width is None
+            parents = [p for d in range(plan.depth) for p in ([2 * d - 2, 2 * d - 2] if tree else [d - 1])]
+            parents = [max(p, -1) for p in parents]
+            draft = Draft(torch.arange(len(parents)), torch.tensor(parents), scores=[0.5] * len(parents))
+            accepted, node = [], -1
+            for _d in range(plan.depth):
+                children = [i for i, p in enumerate(parents) if p == node]
+                if rng.random() < first:
+                    node = children[0]
+                elif tree and rng.random() < second:
+                    accepted.append(children[1])
+                    break
+                else:
+                    break
+                accepted.append(node)
+        result = VerifyResult(accepted, accepted, 0, True)
+        drafting, rest = costs(plan, draft)
+        controller.observe(plan, draft, result, 100, drafting, drafting + rest, True)
+    return plans
+
+
+def test_a_tree_drafter_is_run_as_a_chain_where_its_siblings_do_not_pay_and_as_a_tree_where_they_do():
+    """Siblings that add little (0.1) and rows and levels that cost: >= 80% of drafted steps after 100 are chains.
+    Siblings that add much (0.8) at no cost: >= 80% are trees."""
+
+    def costs(row: float, level: float):
+        return lambda plan, draft: (level * plan.depth * (2 if plan.width is None else 1), 1.0 + row * draft.num_nodes)
+
+    for second, cost, wanted in ((0.1, costs(0.08, 0.08), 1), (0.8, costs(0.0, 0.0), None)):
+        plans = simulate_shapes(Controller(4, max_width=2), 400, 0.6, second, cost)[100:]
+        drafted = [p for p in plans if p.depth]
+        assert len(drafted) > 0.5 * len(plans)
+        assert sum(p.width == wanted for p in drafted) >= 0.8 * len(drafted), (second, [p.width for p in drafted])
+
+
 def test_a_good_proposer_drafts_deep_and_a_costly_one_is_re_planned():
     """Acceptance 0.9 per depth drafts >= 4 deep on average; when drafting turns 75x costlier at step 150 (a level then
     costs more than it brings) it goes plain within 30 steps."""
@@ -223,6 +272,9 @@ class ScoredTree(ProposerBase):
     def draft_depth(self):
         return 2
 
+    def draft_width(self):  # it ignores ``max_width``: the decoder's own cut to a chain is what the law tests see
+        return 2
+
     def begin(self, prompt, features):
         pass
 
@@ -277,11 +329,12 @@ def test_sampled_output_follows_the_law_with_the_controller_deciding(law_target,
     """Plans that vary with past outcomes and rows dear enough to trim: a sampled tree and a deterministic n-gram tree stay exact."""
     sampling = SamplingParams(temperature)
     for label, proposer, per_row in (("random tree: ", ScoredTree(), 0.05), ("the target's twin: ", ScoredTree(twin=law_target), 0.15)):
-        controller = Clocked(2, linear_costs(drafting_per_depth=0.0, per_row=per_row, drafted=0.0))
+        controller = Clocked(2, linear_costs(drafting_per_depth=0.0, per_row=per_row, drafted=0.0), max_width=2)
         assert_follows_law(law_target, proposer, sampling, N_LAW, law_check, label, controller)
         assert sum(controller.planned[1:]) > 0.2 * N_LAW and controller.planned[0] > 0  # it both drafted and went plain
+        assert all(sum(shape.planned) > 0 for shape in controller.shapes)  # and drafted both chains and trees
     ngram = load_proposer({"type": "ngram", "min_n": 1, "branches": 3, "max_nodes": 6})
-    trimming = Clocked(ngram.draft_depth(), linear_costs(drafting_per_depth=0.0, per_row=0.2))
+    trimming = Clocked(ngram.draft_depth(), linear_costs(drafting_per_depth=0.0, per_row=0.2), max_width=3)
     assert_follows_law(law_target, ngram, sampling, N_LAW, law_check, "ngram tree: ", trimming)
 
 
@@ -292,6 +345,6 @@ def test_negative_control_dropping_sampled_nodes_by_their_values_fails_the_law(l
 
 def test_a_draft_model_tree_keeps_the_law_with_the_controller_at_temperature_one(law_target, law_check, make_llama):
     draft = make_llama(vocab_size=V, hidden_size=16, layers=1, seed=11)
-    controller = Clocked(3, linear_costs(drafting_per_depth=0.02, per_row=0.05))
+    controller = Clocked(3, linear_costs(drafting_per_depth=0.02, per_row=0.05), max_width=2)
     proposer = DraftModelProposer(draft, k=3, tree_width=2)
     assert_follows_law(law_target, proposer, SamplingParams(1.0), N_LAW, law_check, "draft tree: ", controller)

@@ -45,6 +45,8 @@ def test_every_family_is_a_proposer_through_the_base():
 
 
 def test_an_object_that_lacks_a_member_is_refused_naming_what_it_lacks(make_llama):
-    with pytest.raises(InputError, match=r"Bare is not a Proposer: it lacks \['begin', 'draft_depth', 'export', .*'vocab_size'\]"):
+    with pytest.raises(
+        InputError, match=r"Bare is not a Proposer: it lacks \['begin', 'draft_depth', 'draft_width', 'export', .*'vocab_size'\]"
+    ):
         SpeculativeDecoder(make_llama(seed=0), Bare(), adaptive=False)
     assert SpeculativeDecoder(make_llama(seed=0), Minimal(), adaptive=False).proposer is not None

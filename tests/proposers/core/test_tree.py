@@ -22,6 +22,7 @@ from draftsmith.proposers.core.tree import (
     grow_dynamic_tree,
     incremental_tree_mask,
     keep_nodes,
+    limit_width,
     node_depths,
     node_paths,
     prune_depth,
@@ -332,3 +333,20 @@ def test_crop_and_compact_cache():
     assert cached_positions(cache) == [list(range(6))] * 2
     assert cache.layers[0].keys.data_ptr() == keys.data_ptr()
     assert cache.get_seq_length() == 6
+
+
+def test_limit_width_keeps_each_nodes_first_children_in_draft_order_with_their_subtrees():
+    #        -1
+    #      0  1  2        (2 is the root's third child)
+    #    3 4     5
+    #    6
+    parents = [-1, -1, -1, 0, 0, 2, 3]
+    draft = Draft(torch.arange(10, 17), torch.tensor(parents), torch.rand(7, 20), scores=[0.1 * i for i in range(7)])
+    chain = limit_width(draft, 1)
+    assert chain.token_list == [10, 13, 16] and chain.is_chain()
+    assert torch.equal(chain.draft_probs, draft.draft_probs[[0, 3, 6]]) and chain.scores == pytest.approx([0.0, 0.3, 0.6])
+    two = limit_width(draft, 2)
+    assert two.token_list == [10, 11, 13, 14, 16] and two.parent_list == [-1, -1, 0, 0, 2]
+    assert limit_width(draft, 3) is draft and limit_width(draft, None) is draft
+    straight = Draft.chain([1, 2, 3])
+    assert limit_width(straight, 1) is straight

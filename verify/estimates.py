@@ -1,0 +1,168 @@
+"""What the speculation controller knows of one draft shape, and the running averages it keeps them with.
+
+A shape is a way the proposer drafts: a chain (one child per node), or its own tree. Per
+planned depth it has a drafting cost, the rest of a step beyond a plain step's, the rows
+it verifies and the share of steps whose accepted path reaches that depth; the shapes of
+one proposer share the machine's costs (a plain step, a verified row, the drafting scale),
+which ``verify.controller.Controller`` keeps.
+"""
+
+from __future__ import annotations
+
+FIRST_PRIOR = 0.3  # the prior share of steps accepting a first draft token, worth one step of counts
+STALE = 0.97  # per drafted step, what a depth's counts keep while that depth is not drafted: its prior takes over again
+AVERAGE = 0.1  # the weight of a new measurement in a running cost average (a window of ~10 steps)
+DRAFT_AVERAGE = 0.25  # the weight of a drafting measurement in the scale every depth's drafting cost shares
+
+
+class RunningLine:
+    """``y ~ a + b x`` by weighted least squares with exponential forgetting, kept as running moments (O(1) per point).
+
+    Args:
+        forget: each older point weighs this much less (0.98: a window of ~50).
+    """
+
+    def __init__(self, forget: float):
+        self.forget, self.count = forget, 0
+        self.n = self.x = self.y = self.xx = self.xy = 0.0
+
+    def update(self, x: float, y: float) -> None:
+        f = self.forget
+        self.n, self.x, self.y = f * self.n + 1.0, f * self.x + x, f * self.y + y
+        self.xx, self.xy = f * self.xx + x * x, f * self.xy + x * y
+        self.count += 1
+
+    def line(self) -> tuple[float, float]:
+        """(a, b); b is 0 until the points spread along x."""
+        mean_x, mean_y = self.x / self.n, self.y / self.n
+        spread = self.xx / self.n - mean_x * mean_x
+        slope = (self.xy / self.n - mean_x * mean_y) / spread if spread > 1e-9 else 0.0
+        return mean_y - slope * mean_x, slope
+
+
+class ShapeEstimates:
+    """Per planned depth (index 0 unused) of one draft shape: costs measured, and acceptance counted with decay.
+
+    Args:
+        width: the most children per node this shape drafts (1: a chain; None: as the proposer drafts).
+        max_depth: the deepest depth planned.
+    """
+
+    def __init__(self, width: int | None, max_depth: int):
+        self.width = width
+        d = max_depth + 1
+        self.draft_base: list[float | None] = [None] * d  # drafting per planned depth in steady state, over the shared scale
+        # the rest of a step beyond a plain step's, per planned depth: a plain step's cost grows with the context, and
+        # what drafting adds to it much less, so the difference stays right as the context moves between measurements
+        self.verify_seconds: list[float | None] = [None] * d
+        self.reached, self.accepted, self.rows = [0.0] * d, [0.0] * d, [0.0] * d  # decayed counts
+        self.stamp = [0] * d  # the drafted step at which each depth's counts were last updated
+        self.planned = [0] * d  # steps planned at each depth over the controller's life (index 0 unused)
+
+    @property
+    def measured(self) -> bool:
+        return any(s is not None for s in self.verify_seconds)
+
+    def draft_costs(self, scale: float) -> list[float]:
+        """Seconds of drafting per planned depth: measured where drafted, else scaled from the nearest measured depth.
+
+        A sequential drafter's cost grows with depth, one forward per level (and one to catch
+        up): an unmeasured depth D costs the nearest measured depth k's times (D + 1) / (k + 1).
+        """
+        seen = [(d, b * scale) for d, b in enumerate(self.draft_base) if b is not None]
+        out = []
+        for depth, base in enumerate(self.draft_base):
+            if base is not None or not seen:
+                out.append(base * scale if base is not None else 0.0)
+            else:
+                near, seconds = min(seen, key=lambda item: abs(item[0] - depth))
+                out.append(seconds * (depth + 1) / (near + 1))
+        return out
+
+    def plan_costs(self, plain: float | None, per_row: float, scale: float, mean_rows: list[float]) -> list[float | None]:
+        """Seconds of a step planned at each depth (index 0: ``plain``); None where nothing says yet.
+
+        A depth not measured yet costs the nearest measured one's, plus its extra rows at
+        ``per_row`` seconds, plus its drafting scaled by depth (``draft_costs``).
+        """
+        drafting = self.draft_costs(scale)
+        measured = [d for d in range(1, len(self.verify_seconds)) if self.verify_seconds[d] is not None]
+        costs: list[float | None] = [plain]
+        for depth in range(1, len(self.verify_seconds)):
+            if plain is None or not measured:
+                costs.append(None)
+            elif self.verify_seconds[depth] is not None:
+                costs.append(plain + drafting[depth] + self.verify_seconds[depth])
+            else:
+                near = min(measured, key=lambda d: abs(d - depth))
+                costs.append(plain + drafting[depth] + self.verify_seconds[near] + per_row * (mean_rows[depth] - mean_rows[near]))
+        return costs
+
+    def estimate(self, now: int, plain: float | None, per_row: float, scale: float) -> tuple[list[float], list[float | None]]:
+        """Per depth (index 0: a plain step): the share of steps whose accepted path reaches it, and a step's seconds.
+
+        Each depth's share has one pseudo-step of a prior extrapolated from the depth above
+        (its share times its conditional acceptance, kept in [0.3, 0.95]); counts of a depth
+        not drafted lately (``now`` is the drafted step) weigh less.
+        """
+        shares, mean_rows = [1.0], [0.0]
+        prior, prior_rows, above = FIRST_PRIOR, 0.0, 1.0
+        for depth in range(1, len(self.reached)):
+            kept = STALE ** (now - self.stamp[depth])
+            seen = kept * self.reached[depth] + 1.0
+            share = (kept * self.accepted[depth] + prior) / seen
+            shares.append(share)
+            mean_rows.append((kept * self.rows[depth] + prior_rows + 1.0) / seen)
+            prior, prior_rows, above = share * min(max(share / above, 0.3), 0.95), mean_rows[-1], share
+        return shares, self.plan_costs(plain, per_row, scale, mean_rows)
+
+    def learn_depths(self, planned: int, depths: list[int], accepted: int, decay: float, now: int) -> None:
+        """Count one drafted step planned at ``planned``: its nodes' ``depths`` and its ``accepted`` length."""
+        counts = [0] * (planned + 1)
+        for d in depths:
+            if d <= planned:
+                counts[d] += 1
+        rows = 0
+        for d in range(1, planned + 1):
+            kept = decay * STALE ** (now - self.stamp[d])
+            rows += counts[d]
+            self.reached[d] = kept * self.reached[d] + 1.0
+            self.accepted[d] = kept * self.accepted[d] + (1.0 if accepted >= d else 0.0)
+            self.rows[d] = kept * self.rows[d] + rows
+            self.stamp[d] = now
+
+    def learn_draft_cost(self, depth: int, seconds: float, scale: float) -> float:
+        """Learn the drafting cost of ``depth``: a slow average per depth, times the shared scale; return the new scale.
+
+        The scale follows each measurement's ratio to its depth's estimate quickly (a
+        geometric average, weight 0.25, or 0.5 for a ratio beyond 4x), so a slower drafter or
+        a loaded machine moves every depth's cost within a few steps, and a lone spike only briefly.
+        """
+        base, seconds = self.draft_base[depth], max(seconds, 1e-7)  # a drafter that takes no time still takes a tick
+        expected = base * scale if base is not None else self.draft_costs(scale)[depth]  # a new depth: as extrapolated
+        if expected > 0:
+            ratio = seconds / expected
+            scale *= ratio ** (DRAFT_AVERAGE if 0.25 < ratio < 4.0 else 2 * DRAFT_AVERAGE)  # a 4x change is rarely noise
+        fresh = seconds / scale
+        self.draft_base[depth] = fresh if base is None else (1.0 - AVERAGE) * base + AVERAGE * fresh
+        return scale
+
+    def learn_verify_cost(self, depth: int, extra: float) -> None:
+        """Learn the rest of a step planned at ``depth`` beyond a plain step's."""
+        self.verify_seconds[depth] = average(self.verify_seconds[depth], extra)
+
+    def snapshot(self, plain: float | None, per_row: float, scale: float) -> dict:
+        """This shape's estimates in ms, and its acceptance per depth, for stats and tables."""
+        costs = self.plan_costs(plain, per_row, scale, [0.0] * len(self.reached))
+        return {
+            "width": self.width,
+            "step_ms_by_depth": [None if s is None else round(1000 * s, 3) for s in costs[1:]],
+            "draft_ms_by_depth": [round(1000 * s, 3) for s in self.draft_costs(scale)[1:]],
+            "accept_share_by_depth": [round(a / r, 3) if r else None for a, r in zip(self.accepted[1:], self.reached[1:], strict=True)],
+            "planned_by_depth": self.planned[1:],
+        }
+
+
+def average(known: float | None, new: float) -> float:
+    """A running average with weight ``AVERAGE`` for ``new`` (``new`` itself when nothing is known)."""
+    return new if known is None else (1.0 - AVERAGE) * known + AVERAGE * new
