@@ -56,7 +56,8 @@ DEPTH_BUCKETS = 4  # calibration by depth 1, 2, 3 and 4+
 SLOTS = len(CONFIDENCE_MIDS) + 1  # a bin per confidence range, and one for a node without a score
 PRIORS = (0.5, *CONFIDENCE_MIDS) * DEPTH_BUCKETS  # each calibration bin's prior chance, bin = (depth bucket - 1) * SLOTS + slot
 DEFAULT_DEPTH = 8  # planned depths for a proposer that states no limit
-REFRESH_EVERY = 4  # observed steps between recomputations of the plan's estimates (they move slowly)
+REFRESH_EVERY = 4  # drafted steps between recomputations of the plan's estimates (they move slowly)
+PLAIN_DRIFT = 0.02  # how far a plain step's cost moves before the estimates are recomputed for it
 PLAIN_EVERY = 64  # drafted steps between plain steps that keep the plain cost measured
 PLAIN_SAMPLES = 4  # until a plain step has been measured this often, every fourth step is one
 PROBE_BUDGET = 0.01  # the share of the plain steps' time that probes may lose, over what they win back
@@ -128,7 +129,8 @@ class Controller:
         self._decisions: dict[int, tuple[int, int, int]] = {}  # room -> (plan depth, shape, best drafting depth), with the estimates
         self._rows_cost: tuple[float, float] | None = None  # ``_row_costs``, until the rows line is next updated
         self._chances: dict[str, list[float]] = {}  # source -> each bin's chance, until its bins are next updated
-        self.observed = 0
+        self.observed = 0  # drafted steps observed
+        self._estimated_plain = 0.0  # the plain step's cost the estimates were computed with
 
     # -- costs ---------------------------------------------------------------------------
 
@@ -154,6 +156,7 @@ class Controller:
         if self._estimates is None:
             per_row = self._row_costs()[1]
             self._estimates = [shape.estimate(self.drafted_steps, self.plain_seconds, per_row, self.draft_scale) for shape in self.shapes]
+            self._estimated_plain = self.plain_seconds or 0.0
             self._decisions = {}
         decision = self._decisions.get(deepest)
         if decision is None:
@@ -299,16 +302,18 @@ class Controller:
                 temperature > 0 the children of a node are tested in order up to the accepted one.
         """
         tick = time.perf_counter()
-        self.observed += 1
-        if self.observed % REFRESH_EVERY == 0 or plan.probe:
-            self._estimates = None
         rest = max(step_seconds - draft_seconds, 1e-6)
-        if plan.depth == 0:
+        if plan.depth == 0:  # the estimates follow a plain step's cost only when it has moved (most steps may be plain ones)
             self.plain_seconds = average(self.plain_seconds, rest)
+            if self._estimates is not None and abs(self.plain_seconds - self._estimated_plain) > PLAIN_DRIFT * self._estimated_plain:
+                self._estimates = None
             if self.missed is not None:
                 self.missed += len(result.committed)
             self.since_plain, self.plain_samples = 0, self.plain_samples + 1
         else:
+            self.observed += 1
+            if self.observed % REFRESH_EVERY == 0 or plan.probe:
+                self._estimates = None
             shape = self.shapes[plan.shape]
             self.since_plain += 1
             missed, self.missed = (context if self.missed is None else self.missed), 0

@@ -210,7 +210,7 @@ class SpeculativeDecoder:
             # 4. commit
             target.commit(result.accepted_nodes)
             if proposer is not None:
-                proposer.observe(step.as_proposed(result), _path_features(out, result))
+                proposer.observe(step.as_proposed(result), _path_features(out, result, draft.num_nodes))
             emitted = _extend(tokens, new_tokens, result.committed, max_new_tokens, eos)
             last = new_tokens[-1]
             stats.target_forwards += 1
@@ -339,12 +339,14 @@ def _extend(tokens: list[int], new_tokens: list[int], committed: list[int], max_
     return emitted
 
 
-def _path_features(out: TargetOutput, result: VerifyResult) -> TargetFeatures | None:
-    """Hidden states of the root and the accepted nodes, in path order."""
+def _path_features(out: TargetOutput, result: VerifyResult, drafted: int) -> TargetFeatures | None:
+    """Hidden states of the root and the accepted nodes, in path order (``drafted``: the draft's nodes)."""
     if out.features is None:
         return None
     accepted = result.accepted_nodes
-    if accepted == list(range(len(accepted))):  # a plain step, or a chain's accepted prefix: rows 0..n, a view
+    if drafted == 0:  # a plain step: its one row as it is
+        return out.features
+    if accepted == list(range(len(accepted))):  # a chain's accepted prefix: rows 0..n, a view
         return TargetFeatures({layer: h[: len(accepted) + 1] for layer, h in out.features.hidden_states.items()})
     rows = torch.tensor([0] + [i + 1 for i in accepted])
     return TargetFeatures({layer: h.index_select(0, rows) for layer, h in out.features.hidden_states.items()})
