@@ -218,3 +218,35 @@ def test_the_table_shows_what_the_controller_chose_and_adaptive_false_keeps_the_
     assert rows[True]["ngram"]["planned_plain_steps"] >= 1  # the controller measures a plain step first
     assert rows[True]["plain"]["plain_share"] is None and rows[True]["ngram"]["nodes_per_step"] is not None
     assert rows[True]["ngram"]["identical"] == rows[False]["ngram"]["identical"] == "2/2"
+
+
+def test_each_prompt_turns_the_run_order_and_the_records_keep_the_row_order(tiny_target_dir, domain_files, tmp_path, monkeypatch):
+    evaluate_module = importlib.import_module("draftsmith.verify.evaluation.evaluate")
+    assert evaluate_module.rotated(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert evaluate_module.rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
+    calls = []
+    build = evaluate_module.build_methods
+
+    def logged(config, model, tokenizer):
+        methods, proposers = build(config, model, tokenizer)
+        wrap = lambda name, run: lambda prompt, index: calls.append((index, name)) or run(prompt, index)  # noqa: E731
+        return {name: wrap(name, run) for name, run in methods.items()}, proposers
+
+    monkeypatch.setattr(evaluate_module, "build_methods", logged)
+    config = EvalConfig(
+        target=str(tiny_target_dir),
+        domains={"code": domain_files["code"]},
+        proposers={"ngram": {"type": "ngram", "min_n": 1}, "tree": {"type": "ngram", "min_n": 1, "branches": 3}},
+        peers=False,
+        num_prompts=3,
+        prompt_tokens=24,
+        max_new_tokens=8,
+        output_dir=str(tmp_path / "out"),
+    )
+    evaluate(config, progress=False)
+    timed = calls[3:]  # after the three warm-up calls
+    first = [name for i, (index, name) in enumerate(timed) if i % 3 == 0]
+    assert first == ["plain", "ngram", "tree"]  # no method always runs first
+    records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in records] == ["plain", "ngram", "tree"] * 3
+    assert all(r["identical_to_plain"] for r in records) and all(r["speedup"] > 0 for r in records)
