@@ -23,7 +23,9 @@ the text, so the controller measures them itself while it decodes and decides pe
 2. observe: the step's seconds update the running costs of its planned depth (or of a
    plain step) and the cost of a verified row (a least-squares line with forgetting
    over the rows); the outcome updates u_d, the rows per depth and the calibration bins. The
-   running averages follow the context as it grows.
+   running averages follow the context as it grows. A pause of the machine is not a cost:
+   a step's rest counts as at most ``PAUSE_BOUND`` plain steps per verified row, and one
+   probe's loss is bounded too (``PROBE_STEP_BOUND``).
 
 A proposer that stopped paying is asked again now and then (a probe: two drafted steps,
 as often as a credit of 1% of the plain steps' time covers what probes lose, so they follow
@@ -61,6 +63,8 @@ PLAIN_DRIFT = 0.02  # how far a plain step's cost moves before the estimates are
 PLAIN_EVERY = 64  # drafted steps between plain steps that keep the plain cost measured
 PLAIN_SAMPLES = 4  # until a plain step has been measured this often, every fourth step is one
 PROBE_BUDGET = 0.01  # the share of the plain steps' time that probes may lose, over what they win back
+PAUSE_BOUND = 2.0  # a step's rest beyond this many plain steps per verified row is counted as this many (a pause, not a cost)
+PROBE_STEP_BOUND = 2.0  # plain steps one probe may lose beyond its catching up and twice the probes' average loss
 MARGIN = 0.05  # drafting must promise this much more than plain decoding: a tie is noise, and drafting's variance is not free
 
 
@@ -78,6 +82,11 @@ class Plan:
     whole: bool = False
     shape: int = 0
     width: int | None = None
+
+    @property
+    def trims(self) -> bool:
+        """Whether the draft is trimmed before it is verified: not for a probe, which is there to see what a trim would hide."""
+        return not (self.probe or self.whole)
 
 
 class Controller:
@@ -303,6 +312,8 @@ class Controller:
         """
         tick = time.perf_counter()
         rest = max(step_seconds - draft_seconds, 1e-6)
+        if self.plain_seconds is not None:  # a pause of the machine is not a cost: n + 1 rows take at most n + 1 plain steps
+            rest = min(rest, PAUSE_BOUND * self.plain_seconds * (draft.num_nodes + 1))
         if plan.depth == 0:  # the estimates follow a plain step's cost only when it has moved (most steps may be plain ones)
             self.plain_seconds = average(self.plain_seconds, rest)
             if self._estimates is not None and abs(self.plain_seconds - self._estimated_plain) > PLAIN_DRIFT * self._estimated_plain:
@@ -343,6 +354,10 @@ class Controller:
         if self.probe_pending or self.plain_seconds is None:
             return  # the first of the two
         lost = spent + seconds - (before + tokens) * self.plain_seconds
+        # One probe moves the budget a bounded step: a pause of the machine inside it (tens of
+        # ms) would otherwise hold the next probe back for thousands of plain steps. A
+        # proposer that truly loses more gets there over a few probes (the bound doubles).
+        lost = min(lost, priced + 2.0 * max(self.probe_loss or 0.0, 0.0) + PROBE_STEP_BOUND * self.plain_seconds)
         self.probe_credit = min(self.probe_credit - lost, max(lost, self.plain_seconds))  # a win buys the next probe, not a hoard
         beyond = lost - priced
         self.probe_loss = beyond if self.probe_loss is None else 0.5 * (self.probe_loss + beyond)

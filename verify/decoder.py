@@ -245,7 +245,7 @@ class SpeculativeDecoder:
         seconds = time.perf_counter() - tick
         validate_draft(draft, self.vocab_size)
         draft = limit_width(prune_depth(draft, plan.depth), plan.width)
-        if controller is None or plan.whole:  # what trimming would hide is what an exploring step learns from
+        if controller is None or not plan.trims:  # what trimming would hide is what a probe learns from
             return DraftStep(plan, draft, None, seconds)
         trimmed, kept = controller.trim(draft, len(tokens), sampling.greedy or draft.draft_probs is None)
         return DraftStep(plan, trimmed, kept, seconds)

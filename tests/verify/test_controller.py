@@ -24,6 +24,7 @@ from draftsmith.proposers.core.tree import keep_nodes
 from draftsmith.proposers.core.types import Draft, ProposeContext, VerifyResult
 from draftsmith.proposers.draft_model import DraftModelProposer
 from draftsmith.verify import SpeculativeDecoder, load_target
+from draftsmith.verify import controller as controller_module
 from draftsmith.verify.controller import Controller, Plan, RunningLine
 from draftsmith.verify.evaluation.demo import DEMO_TARGET, SHIPPED, trained_drafts
 
@@ -61,7 +62,7 @@ def simulate(controller: Controller, steps: int, accept, score: float = 0.5, see
     for step in range(steps):
         plan = controller.plan(context=100, room=8)
         draft = Draft.chain(list(range(plan.depth)), scores=[score] * plan.depth) if plan.depth else Draft.empty()
-        if plan.depth and not plan.whole:
+        if plan.depth and plan.trims:
             draft, _ = controller.trim(draft, 100, True)
         n = 0
         while n < draft.num_nodes and rng.random() < accept(step, n + 1):
@@ -149,6 +150,35 @@ def test_a_proposer_that_turns_predictable_again_is_switched_back_on():
     resumed = next(i for i in range(150, 500) if all(d > 0 for d in plans[i : i + 5]))
     assert resumed <= 150 + 160, plans[150:]
     assert sum(d > 0 for d in plans[resumed + 20 :]) >= 0.9 * len(plans[resumed + 20 :])
+
+
+def resumed_after_a_paused_probe(monkeypatch, bound: float) -> int:
+    """Random text for 200 steps with the machine pausing 50 plain steps inside the first probe after step 60, then a
+    repeated passage (0.95): the step where drafting resumes (5 drafted steps in a row), with ``PROBE_STEP_BOUND`` = ``bound``."""
+    monkeypatch.setattr(controller_module, "PROBE_STEP_BOUND", bound)
+    plans: list[Plan] = []
+    paused = []
+
+    def costs(plan, draft):
+        drafting, rest = linear_costs()(plan, draft)
+        if plan.probe and len(plans) > 60 and not paused:
+            paused.append(len(plans))
+            rest += 50.0  # a pause of the machine, not the proposer's cost
+        return drafting, rest
+
+    for plan in simulate(Controller(6), 900, lambda step, depth: 0.0 if step < 200 else 0.95, score=0.9, costs=costs):
+        plans.append(plan)
+    assert paused, "no probe after step 60"
+    depths = [plan.depth for plan in plans]
+    return next((i for i in range(200, 900) if all(d > 0 for d in depths[i : i + 5])), 900)
+
+
+def test_a_pause_inside_a_probe_does_not_hold_the_next_probes_back(monkeypatch):
+    """As the predictable-again test, with a 50-step pause inside one probe: drafting resumes within 350 steps of the
+    passage (the pause counts as a probe losing 3 plain steps, which the 1% credit wins back in about 300 plain steps).
+    Negative control: without the bound on what one probe loses, the pause holds probing back past step 900."""
+    assert resumed_after_a_paused_probe(monkeypatch, controller_module.PROBE_STEP_BOUND) <= 200 + 350
+    assert resumed_after_a_paused_probe(monkeypatch, float("inf")) >= 900
 
 
 def test_trimming_keeps_the_likely_nodes_closed_under_ancestors():
