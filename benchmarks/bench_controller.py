@@ -14,7 +14,9 @@
   the shipped config fixed, and a grid of fixed configs (chains of depth 1-6, trees of 2, 4,
   8, 16 and 24 nodes), all in one evaluation. Per domain: the controller's speed over the
   best fixed config's and over the shipped one's.
-- ``random``: a proposer of random drafts (useless) with the controller, against plain.
+- ``random``: a proposer of random drafts (useless) with the controller, against plain; and
+  one that never drafts (``no_draft``: plain decoding's work through a proposer's decoder),
+  whose spread around 1.00 is the noise floor of this machine and harness.
 
 ``--depth`` runs it all on the demo target padded with zero-output layers to that many
 layers (``bench_depth.padded_target``: the same function, a costlier step), with the same
@@ -79,6 +81,13 @@ class RandomDrafts(ProposerBase):
         return Draft.chain([self.rng.randrange(self.vocab_size) for _ in range(depth)], scores=[0.5] * depth)
 
 
+class NoDrafts(RandomDrafts):
+    """Never a draft (an empty one every step): plain decoding's work through a proposer's decoder, so its row is the noise floor."""
+
+    def propose(self, context: ProposeContext) -> Draft:
+        return Draft.empty()
+
+
 def setup(args) -> tuple[Path, dict, dict]:
     """(target directory, domain files, shipped proposer configs), padded to ``--depth`` when given."""
     out = Path(args.output)
@@ -136,13 +145,11 @@ def part_grid(args, target, domains, shipped) -> list[dict]:
 
 
 def part_random(args, target, domains, shipped) -> list[dict]:
-    REGISTRY["random_drafts"] = RandomDrafts  # a benchmark's own proposer, by its type name
+    REGISTRY["random_drafts"], REGISTRY["no_drafts"] = RandomDrafts, NoDrafts  # a benchmark's own proposers, by their type names
+    proposers = {"random": {"type": "random_drafts"}, "no_draft": {"type": "no_drafts"}}
     rows = []
     for run in range(args.runs):
-        rows += [
-            {"run": run, **row}
-            for row in run_eval(args, target, domains, {"random": {"type": "random_drafts"}}, [], f"random_run{run}").values()
-        ]
+        rows += [{"run": run, **row} for row in run_eval(args, target, domains, proposers, [], f"random_run{run}").values()]
     return rows
 
 
