@@ -4,6 +4,11 @@ A V = 8 target decodes 3 tokens after LAW_PROMPT, one request per seed; the join
 3 tokens is compared with the exact joint from the target's own processed next-token
 probabilities (chi-square at alpha = 1e-3, ``conftest.chi_square_test``), and so is the
 marginal of the first 2 tokens.
+
+The same check runs with the speculation controller deciding (``deciding_controller``): on
+a deterministic clock (``Clocked``), so that its decisions (plain or drafted, chain or
+tree, which nodes) vary from request to request with what it has learnt, not with this
+machine's timing noise.
 """
 
 from __future__ import annotations
@@ -14,10 +19,64 @@ from collections import Counter
 import torch
 
 from draftsmith.proposers.core.sampling import SamplingParams, logits_to_probs
+from draftsmith.proposers.core.types import Draft
 from draftsmith.verify import SpeculativeDecoder
+from draftsmith.verify.controller import Controller, Plan
 
 V = 8
 LAW_PROMPT = torch.tensor([[1, 2, 7]])
+
+
+def linear_costs(drafting_per_depth: float = 0.1, per_row: float = 0.05, drafted: float = 0.1):
+    """Seconds of a plan and its draft: (drafting, the rest of the step).
+
+    A plain step costs 1, a drafted one ``drafted`` more plus ``per_row`` per node.
+    """
+
+    def costs(plan: Plan, draft: Draft) -> tuple[float, float]:
+        return drafting_per_depth * plan.depth, 1.0 + (drafted + per_row * draft.num_nodes if draft.num_nodes else 0.0)
+
+    return costs
+
+
+class Clocked(Controller):
+    """The controller with a deterministic clock: ``costs(plan, draft)`` replaces the measured seconds."""
+
+    def __init__(self, max_depth, costs, **kwargs):
+        super().__init__(max_depth, **kwargs)
+        self.costs = costs
+
+    def observe(self, plan, draft, result, context, draft_seconds, step_seconds, greedy):
+        drafting, rest = self.costs(plan, draft)
+        super().observe(plan, draft, result, context, drafting, drafting + rest, greedy)
+
+
+def deciding_controller(proposer, per_row: float = 0.05) -> Clocked:
+    """A controller for ``proposer`` on a clock where a verified row costs ``per_row`` plain steps: dear enough that it
+    goes plain, cuts trees to chains and trims where its estimates say so, and cheap enough that it drafts."""
+    return Clocked(
+        proposer.draft_depth(), linear_costs(drafting_per_depth=0.0, per_row=per_row, drafted=0.0), max_width=proposer.draft_width()
+    )
+
+
+def control_decisions(decisions: str, proposer, n: int) -> tuple[Clocked | None, int]:
+    """A negative control's controller and request count: ``"fixed"`` (None, n), or ``"controller"``
+    (``deciding_controller``, 2n). A plain step is exact whatever the sampler's bug, and the
+    controller plans about a third of the steps plain, so its control takes twice the requests."""
+    if decisions == "fixed":
+        return None, n
+    if decisions == "controller":
+        return deciding_controller(proposer), 2 * n
+    raise ValueError(f"decisions must be 'fixed' or 'controller', got {decisions!r}")
+
+
+def assert_follows_law_deciding(target, proposer, sampling: SamplingParams, n: int, law_check, label: str = "") -> None:
+    """``assert_follows_law`` with ``deciding_controller``, which must both have drafted (in at least a fifth of the
+    ``n`` requests' steps) and planned plain steps: decisions that vary, not a fixed config under another name."""
+    controller = deciding_controller(proposer)
+    assert_follows_law(target, proposer, sampling, n, law_check, f"{label}controller deciding, ", controller)
+    drafted, plain = sum(controller.planned[1:]), controller.planned[0]
+    assert drafted > 0.2 * n and plain > 0, f"the controller drafted {drafted} and planned {plain} plain steps over {n} requests"
 
 
 def exact_law(target, sampling: SamplingParams) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from law import V, assert_follows_law, assert_law_rejects
+from law import V, assert_follows_law, assert_follows_law_deciding, assert_law_rejects, control_decisions
 
 import draftsmith.verify.rejection as rejection
 from draftsmith.proposers import load_proposer
@@ -95,11 +95,21 @@ def test_sampled_output_follows_the_target_law(small_vocab_model, draft_dirs, la
     assert N_LAW // 20 < sum(a > 0 for a in accepted) < N_LAW - N_LAW // 20  # first drafts accepted and rejected
 
 
+@pytest.mark.parametrize("temperature", [0.7, pytest.param(1.0, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("second", ["ngram", "draft_model"])
-def test_negative_control_broken_residual_fails_the_law_test(small_vocab_model, draft_dirs, law_check, monkeypatch, second):
+def test_sampled_output_follows_the_target_law_with_the_controller_deciding(small_vocab_model, draft_dirs, law_check, temperature, second):
+    proposer = law_composite(small_vocab_model, second, draft_dirs)
+    assert_follows_law_deciding(small_vocab_model, proposer, SamplingParams(temperature=temperature), N_LAW, law_check)
+
+
+@pytest.mark.parametrize("decisions", ["fixed", "controller"])
+@pytest.mark.parametrize("second", ["ngram", "draft_model"])
+def test_negative_control_broken_residual_fails_the_law_test(small_vocab_model, draft_dirs, law_check, monkeypatch, second, decisions):
     monkeypatch.setattr(rejection, "residual_distribution", lambda target_probs, draft_probs, token: target_probs)
     sampling = SamplingParams(temperature=1.0)
-    assert_law_rejects(small_vocab_model, law_composite(small_vocab_model, second, draft_dirs), sampling, N_CONTROL, law_check)
+    proposer = law_composite(small_vocab_model, second, draft_dirs)
+    controller, n = control_decisions(decisions, proposer, N_CONTROL)
+    assert_law_rejects(small_vocab_model, proposer, sampling, n, law_check, controller)
 
 
 def test_bad_composites_are_refused(model, draft_dirs, make_llama, tmp_path):

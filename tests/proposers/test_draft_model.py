@@ -18,7 +18,7 @@ import warnings
 
 import pytest
 import torch
-from law import V, exact_law, law_statistics, sample_law
+from law import V, assert_follows_law_deciding, control_decisions, exact_law, law_statistics, sample_law
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import DynamicCache, PreTrainedTokenizerFast
 
@@ -227,6 +227,14 @@ def test_sampled_output_follows_the_target_law(case, law_models, law_check):
     assert 0.05 < sum(a > 0 for a in accepted) / len(accepted) < 0.95
 
 
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in FAST_LAW_CASES else pytest.mark.slow) for c in LAW_CASES])
+def test_sampled_output_follows_the_target_law_with_the_controller_deciding(case, law_models, law_check):
+    config, temperature = LAW_CASES[case]
+    target, draft_lm = law_models
+    proposer = DraftModelProposer(draft_lm, k=4, **config)
+    assert_follows_law_deciding(target, proposer, SamplingParams(temperature), N_LAW, law_check, f"{case}, ")
+
+
 sample_without_replacement = sampling.sample_without_replacement
 
 
@@ -235,12 +243,15 @@ def sample_ignoring_earlier_siblings(probs, count, generator):
     return [(token, probs) for token, _ in sample_without_replacement(probs, count, generator)]
 
 
-def test_negative_control_wrong_draft_probs_fails_the_law_test(law_models, law_check, monkeypatch):
+@pytest.mark.parametrize("decisions", ["fixed", "controller"])
+def test_negative_control_wrong_draft_probs_fails_the_law_test(decisions, law_models, law_check, monkeypatch):
     monkeypatch.setattr(sampling, "sample_without_replacement", sample_ignoring_earlier_siblings)
     config, temperature = LAW_CASES["tree_t1.0"]
     target, draft_lm = law_models
-    counts, _ = sample_law(target, DraftModelProposer(draft_lm, k=4, **config), SamplingParams(temperature), N_CONTROL)
-    results = law_statistics(counts, exact_law(target, SamplingParams(temperature)), N_CONTROL, law_check)
+    proposer = DraftModelProposer(draft_lm, k=4, **config)
+    controller, n = control_decisions(decisions, proposer, N_CONTROL)
+    counts, _ = sample_law(target, proposer, SamplingParams(temperature), n, controller)
+    results = law_statistics(counts, exact_law(target, SamplingParams(temperature)), n, law_check)
     for name, (stat, critical, tv) in results.items():
         assert stat >= critical, f"broken draft_probs passed the law test on {name} (chi2 {stat:.1f} < {critical:.1f}, TV {tv:.3f})"
 

@@ -18,7 +18,7 @@ from bad_input import assert_one_line_naming
 from heads import fit, greedy_sequences, tiny_neox, tiny_qwen2
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from law import V, assert_follows_law, assert_law_rejects
+from law import V, assert_follows_law, assert_follows_law_deciding, assert_law_rejects, control_decisions
 from safetensors.torch import load_file, save_file
 
 import draftsmith.verify.rejection as rejection
@@ -171,11 +171,20 @@ def test_sampled_output_follows_the_target_law(case, law_target, law_check):
     assert 0.05 < sum(a > 0 for a in accepted) / len(accepted) < 0.95  # first drafts accepted and rejected
 
 
-def test_negative_control_broken_residual_fails_the_law_test(law_target, law_check, monkeypatch):
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == FAST_LAW_CASES[0] else pytest.mark.slow) for c in LAW_CASES])
+def test_sampled_output_follows_the_target_law_with_the_controller_deciding(case, law_target, law_check):
+    target, heads = law_target
+    assert_follows_law_deciding(target, MedusaProposer(heads, tree=LAW_TREE, target=target), LAW_CASES[case], N_LAW, law_check, f"{case}, ")
+
+
+@pytest.mark.parametrize("decisions", ["fixed", "controller"])
+def test_negative_control_broken_residual_fails_the_law_test(decisions, law_target, law_check, monkeypatch):
     monkeypatch.setattr(rejection, "residual_distribution", lambda target_probs, draft_probs, token: target_probs)
     target, heads = law_target
     sampling = LAW_CASES["t1.0"]
-    assert_law_rejects(target, MedusaProposer(heads, tree=LAW_TREE, target=target), sampling, N_CONTROL, law_check)
+    proposer = MedusaProposer(heads, tree=LAW_TREE, target=target)
+    controller, n = control_decisions(decisions, proposer, N_CONTROL)
+    assert_law_rejects(target, proposer, sampling, n, law_check, controller)
 
 
 # ---------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 from heads import fit, greedy_sequences, tiny_qwen2
-from law import V, assert_follows_law, assert_law_rejects
+from law import V, assert_follows_law, assert_follows_law_deciding, assert_law_rejects, control_decisions
 from safetensors.torch import load_file, save_file
 
 import draftsmith.verify.rejection as rejection
@@ -111,11 +111,20 @@ def test_sampled_output_follows_the_target_law(temperature, width, law_setup, la
     assert 0.05 < sum(a > 0 for a in accepted) / len(accepted) < 0.95  # first drafts accepted and rejected
 
 
-def test_negative_control_broken_residual_fails_the_law_test(law_setup, law_check, monkeypatch):
+@pytest.mark.parametrize(("temperature", "width"), [(0.7, 1), pytest.param(1.0, 2, marks=pytest.mark.slow)])
+def test_sampled_output_follows_the_target_law_with_the_controller_deciding(temperature, width, law_setup, law_check):
+    target, fitted = law_setup
+    assert_follows_law_deciding(target, MtpProposer(fitted, tree_width=width, target=target), SamplingParams(temperature), N_LAW, law_check)
+
+
+@pytest.mark.parametrize("decisions", ["fixed", "controller"])
+def test_negative_control_broken_residual_fails_the_law_test(decisions, law_setup, law_check, monkeypatch):
     monkeypatch.setattr(rejection, "residual_distribution", lambda target_probs, draft_probs, token: target_probs)
     target, fitted = law_setup
     sampling = SamplingParams(1.0)
-    assert_law_rejects(target, MtpProposer(fitted, target=target), sampling, N_CONTROL, law_check)
+    proposer = MtpProposer(fitted, target=target)
+    controller, n = control_decisions(decisions, proposer, N_CONTROL)
+    assert_law_rejects(target, proposer, sampling, n, law_check, controller)
 
 
 def test_save_load_and_bad_checkpoints(targets, modules, make_llama, tmp_path):

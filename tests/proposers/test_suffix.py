@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from law import assert_follows_law, assert_law_rejects
+from law import assert_follows_law, assert_follows_law_deciding, assert_law_rejects, control_decisions
 
 from draftsmith.proposers import load_proposer
 from draftsmith.proposers.core.errors import InputError
@@ -208,13 +208,22 @@ def test_sampled_output_follows_the_target_law(small_vocab_model, law_check, tem
     assert N_LAW // 10 < sum(a > 0 for a in accepted) < N_LAW - N_LAW // 10
 
 
-def test_negative_control_broken_residual_fails_the_law_test(small_vocab_model, law_check, monkeypatch):
+@pytest.mark.parametrize("temperature", [0.7, pytest.param(1.0, marks=pytest.mark.slow)])
+def test_sampled_output_follows_the_target_law_with_the_controller_deciding(small_vocab_model, law_check, temperature):
+    """Deterministic drafts, so the controller also trims them by their scores: the law holds whatever it keeps."""
+    proposer = SuffixProposer(cache_prompts=True, alpha=4.0, min_token_prob=0.05)
+    assert_follows_law_deciding(small_vocab_model, proposer, SamplingParams(temperature=temperature), N_LAW, law_check)
+
+
+@pytest.mark.parametrize("decisions", ["fixed", "controller"])
+def test_negative_control_broken_residual_fails_the_law_test(decisions, small_vocab_model, law_check, monkeypatch):
     import draftsmith.verify.rejection as rejection
 
     monkeypatch.setattr(rejection, "residual_distribution", lambda target_probs, draft_probs, token: target_probs)
     sampling = SamplingParams(temperature=1.0)
     proposer = SuffixProposer(cache_prompts=True, alpha=4.0, min_token_prob=0.05)
-    assert_law_rejects(small_vocab_model, proposer, sampling, 600, law_check)
+    controller, n = control_decisions(decisions, proposer, 600)
+    assert_law_rejects(small_vocab_model, proposer, sampling, n, law_check, controller)
 
 
 def test_vllm_export_is_the_suffix_config(tmp_path):

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from law import V, assert_follows_law, assert_law_rejects
+from law import Clocked, V, assert_follows_law, assert_law_rejects, linear_costs
 
 from draftsmith.proposers import load_proposer
 from draftsmith.proposers.core.proposer import ProposerBase
@@ -27,30 +27,6 @@ from draftsmith.verify import SpeculativeDecoder, load_target
 from draftsmith.verify import controller as controller_module
 from draftsmith.verify.controller import Controller, Plan, RunningLine
 from draftsmith.verify.evaluation.demo import DEMO_TARGET, SHIPPED, trained_drafts
-
-
-def linear_costs(drafting_per_depth: float = 0.1, per_row: float = 0.05, drafted: float = 0.1):
-    """Seconds of a plan and its draft: (drafting, the rest of the step).
-
-    A plain step costs 1, a drafted one ``drafted`` more plus ``per_row`` per node.
-    """
-
-    def costs(plan: Plan, draft: Draft) -> tuple[float, float]:
-        return drafting_per_depth * plan.depth, 1.0 + (drafted + per_row * draft.num_nodes if draft.num_nodes else 0.0)
-
-    return costs
-
-
-class Clocked(Controller):
-    """The controller with a deterministic clock: ``costs(plan, draft)`` replaces the measured seconds."""
-
-    def __init__(self, max_depth, costs, **kwargs):
-        super().__init__(max_depth, **kwargs)
-        self.costs = costs
-
-    def observe(self, plan, draft, result, context, draft_seconds, step_seconds, greedy):
-        drafting, rest = self.costs(plan, draft)
-        super().observe(plan, draft, result, context, drafting, drafting + rest, greedy)
 
 
 def simulate(controller: Controller, steps: int, accept, score: float = 0.5, seed: int = 0, costs=None):
