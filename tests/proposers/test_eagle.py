@@ -227,30 +227,26 @@ def law_proposer(law_setup, variant: str, sample: bool) -> EagleProposer:
     return EagleProposer(fitted[variant], target=target, k=2, tree_width=width, sample=sample)
 
 
+@pytest.mark.parametrize("decisions", ["fixed", "controller"])
 @pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in FAST_LAW_CASES else pytest.mark.slow) for c in LAW_CASES])
-def test_sampled_output_follows_the_target_law(case, law_setup, law_check):
+def test_sampled_output_follows_the_target_law(case, decisions, law_setup, law_check):
     variant, sample, sampling = LAW_CASES[case]
-    target = law_setup[0]
-    accepted = assert_follows_law(target, law_proposer(law_setup, variant, sample), sampling, N_LAW, law_check, f"{case}, ")
-    assert 0.05 < sum(a > 0 for a in accepted) / len(accepted) < 0.95  # first drafts accepted and rejected
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in FAST_LAW_CASES else pytest.mark.slow) for c in LAW_CASES])
-def test_sampled_output_follows_the_target_law_with_the_controller_deciding(case, law_setup, law_check):
-    variant, sample, sampling = LAW_CASES[case]
-    assert_follows_law_deciding(law_setup[0], law_proposer(law_setup, variant, sample), sampling, N_LAW, law_check, f"{case}, ")
+    target, proposer = law_setup[0], law_proposer(law_setup, variant, sample)
+    if decisions == "controller":
+        assert_follows_law_deciding(target, proposer, sampling, N_LAW, law_check, f"{case}, ")
+    else:
+        accepted = assert_follows_law(target, proposer, sampling, N_LAW, law_check, f"{case}, ")
+        assert 0.05 < sum(a > 0 for a in accepted) / len(accepted) < 0.95  # first drafts accepted and rejected
 
 
 @pytest.mark.parametrize("decisions", ["fixed", "controller"])
 @pytest.mark.parametrize("sample", [True, False], ids=["sampled_tree", "top_k_tree"])
 def test_negative_control_broken_residual_fails_the_law_test(sample, decisions, law_setup, law_check, monkeypatch):
     monkeypatch.setattr(rejection, "residual_distribution", lambda target_probs, draft_probs, token: target_probs)
-    target = law_setup[0]
-    sampling = SamplingParams(1.0)
     # the reduced vocabulary keeps the draft far from the target, so rejections (and the broken residual) are frequent
     proposer = law_proposer(law_setup, "eagle3_reduced", sample)
     controller, n = control_decisions(decisions, proposer, N_CONTROL)
-    assert_law_rejects(target, proposer, sampling, n, law_check, controller)
+    assert_law_rejects(law_setup[0], proposer, SamplingParams(1.0), n, law_check, controller)
 
 
 def test_reduced_vocabulary_drafts_only_its_tokens(law_setup):
