@@ -53,7 +53,8 @@ def generate_tok_s(prompt: str, max_new_tokens: int) -> float:
     return json.loads(out.stdout)["stats"]["tokens_per_second"]
 
 
-def eval_tok_s(prompt: str, max_new_tokens: int, work: Path) -> float:
+def eval_config(prompt: str, max_new_tokens: int, work: Path) -> Path:
+    """An eval config of one domain holding ``prompt`` as it is, plain decoding only; its path."""
     domain = work / "one.jsonl"
     domain.write_text(json.dumps({"prompt": prompt}) + "\n")
     config = {
@@ -67,8 +68,12 @@ def eval_tok_s(prompt: str, max_new_tokens: int, work: Path) -> float:
         "output_dir": str(work / "eval"),
     }
     (work / "eval.yaml").write_text(yaml.safe_dump(config))
-    subprocess.run([*CLI, "eval", "--config", str(work / "eval.yaml"), "--no-progress"], check=True, capture_output=True, text=True)
-    summary = json.loads((work / "eval" / "summary.json").read_text())
+    return work / "eval.yaml"
+
+
+def eval_tok_s(config: Path) -> float:
+    subprocess.run([*CLI, "eval", "--config", str(config), "--no-progress"], check=True, capture_output=True, text=True)
+    summary = json.loads((config.parent / "eval" / "summary.json").read_text())
     return next(row["tokens_per_s"] for row in summary["rows"] if row["method"] == "plain")
 
 
@@ -83,15 +88,15 @@ def main(argv=None) -> None:
     prompt = tokenizer.decode(tokenizer(document.text).input_ids[:128])
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
+        config = eval_config(prompt, args.max_new_tokens, Path(tmp))
+        commands = {"generate": lambda: generate_tok_s(prompt, args.max_new_tokens), "eval": lambda: eval_tok_s(config)}
         for label, busy in (("idle", False), ("loaded", True)):
-            gen, ev = [], []
+            speeds = {name: [] for name in commands}
             with loaded(busy):
                 for run in range(args.runs):
-                    for which in ("generate", "eval") if run % 2 == 0 else ("eval", "generate"):
-                        if which == "generate":
-                            gen.append(generate_tok_s(prompt, args.max_new_tokens))
-                        else:
-                            ev.append(eval_tok_s(prompt, args.max_new_tokens, Path(tmp)))
+                    for name in list(commands)[:: 1 if run % 2 == 0 else -1]:  # alternate which runs first
+                        speeds[name].append(commands[name]())
+            gen, ev = speeds["generate"], speeds["eval"]
             results[label] = {
                 "generate_tok_s": gen,
                 "eval_tok_s": ev,
