@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.add_argument("--compile", action="store_true", help="compile the target's forward (torch.compile; pays on long outputs only)")
     gen.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 for a model under 50M parameters)")
+    gen.add_argument("--no-warm-up", action="store_true", help="skip the untimed plain warm-up before the request (its time is reported)")
     gen.add_argument("--fixed", action="store_true", help="draft with the proposer's fixed config every step (no speculation controller)")
     gen.set_defaults(run=run_generate)
 
@@ -114,6 +115,7 @@ def run_generate(args) -> int:
     proposer = load_proposer(args.proposer, target=model, tokenizer=tokenizer) if args.proposer else None
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     decoder = SpeculativeDecoder(model, proposer, compile_forward=args.compile, adaptive=not args.fixed, threads=args.threads)
+    warm_up = 0.0 if args.no_warm_up else decoder.warm_up(input_ids.shape[1])  # a fresh process's first forwards are slow
     result = decoder.generate(
         input_ids,
         max_new_tokens=args.max_new_tokens,
@@ -126,13 +128,24 @@ def run_generate(args) -> int:
     text = tokenizer.decode(result.new_tokens, skip_special_tokens=True)
     stats = result.stats
     if args.json:
-        print(json.dumps({"text": text, "new_tokens": result.new_tokens, "stats": stats.to_dict(), "controller": result.controller}))
+        print(
+            json.dumps(
+                {
+                    "text": text,
+                    "new_tokens": result.new_tokens,
+                    "stats": stats.to_dict(),
+                    "controller": result.controller,
+                    "warm_up_s": warm_up,
+                }
+            )
+        )
         return 0
     print(text)
     chosen = f", {stats.planned_plain_steps}/{stats.steps} steps planned plain" if result.controller is not None else ""
     print(
         f"\n[{stats.new_tokens} tokens, {stats.target_forwards} target forwards, tau {stats.tau:.2f}, "
-        f"{stats.tokens_per_second:.1f} tok/s, ttft {stats.ttft * 1000:.1f} ms, tpot {stats.tpot * 1000:.1f} ms{chosen}]"
+        f"{stats.tokens_per_second:.1f} tok/s, ttft {stats.ttft * 1000:.1f} ms, tpot {stats.tpot * 1000:.1f} ms{chosen}, "
+        f"after a {warm_up * 1000:.0f} ms warm-up]"
     )
     return 0
 

@@ -6,6 +6,7 @@ one harness.
 
 from __future__ import annotations
 
+import copy
 import numbers
 import time
 from dataclasses import dataclass, replace
@@ -26,6 +27,9 @@ from .controller import Controller, Plan
 from .rejection import rejection_sample
 from .stats import DecodeStats
 from .target import Target, TargetOutput
+
+
+WARM_UP_TOKENS = 8  # plain steps of a warm-up: each decode shape runs a few times
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,28 @@ class SpeculativeDecoder:
         request = self.check_request(input_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id)
         with forward_mode(self.compiled), torch_threads(self.threads):
             return self._generate(request)
+
+    def warm_up(self, prompt_tokens: int, new_tokens: int = WARM_UP_TOKENS) -> float:
+        """Decode once, plain and untimed, after a dummy prompt of ``prompt_tokens`` tokens; return the seconds it took.
+
+        A fresh process pays one-off costs in its first forwards of each shape (kernel
+        selection, the allocator, the thread pool): its first request on the demo target runs
+        at about half a warm one's tok/s. A server warms up before it takes requests;
+        ``draftsmith generate`` calls this before its one request (``--no-warm-up`` skips
+        it). The proposer and the controller take no part: what they learn stays the requests'.
+        """
+        prompt_tokens = check_integer("prompt_tokens", prompt_tokens)
+        if prompt_tokens < 1:
+            raise InputError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
+        if self.max_positions is not None:
+            prompt_tokens = min(prompt_tokens, self.max_positions - new_tokens)
+        request = self.check_request(torch.arange(prompt_tokens)[None] % self.vocab_size, new_tokens, 0.0, 0, 1.0, None, None)
+        plain = copy.copy(self)  # the same model and forward, without the proposer or the controller
+        plain.proposer = plain.controller = None
+        tick = time.perf_counter()
+        with forward_mode(self.compiled), torch_threads(self.threads):
+            plain._generate(request)
+        return time.perf_counter() - tick
 
     def _generate(self, request: Request) -> DecodeResult:
         input_ids, prompt, max_new_tokens = request.input_ids, request.prompt, request.max_new_tokens
