@@ -28,7 +28,6 @@ from .rejection import rejection_sample
 from .stats import DecodeStats
 from .target import Target, TargetOutput
 
-
 WARM_UP_TOKENS = 8  # plain steps of a warm-up: each decode shape runs a few times
 
 
@@ -180,8 +179,8 @@ class SpeculativeDecoder:
         """Decode once, plain and untimed, after a dummy prompt of ``prompt_tokens`` tokens; return the seconds it took.
 
         A fresh process pays one-off costs in its first forwards of each shape (kernel
-        selection, the allocator, the thread pool): its first request on the demo target runs
-        at about half a warm one's tok/s. A server warms up before it takes requests;
+        selection, the allocator, the thread pool), which a warm request does not
+        (``benchmarks/bench_generate.py`` measures the first request). A server warms up before it takes requests;
         ``draftsmith generate`` calls this before its one request (``--no-warm-up`` skips
         it). The proposer and the controller take no part: what they learn stays the requests'.
         """
@@ -190,12 +189,10 @@ class SpeculativeDecoder:
             raise InputError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
         if self.max_positions is not None:
             prompt_tokens = min(prompt_tokens, self.max_positions - new_tokens)
-        request = self.check_request(torch.arange(prompt_tokens)[None] % self.vocab_size, new_tokens, 0.0, 0, 1.0, None, None)
         plain = copy.copy(self)  # the same model and forward, without the proposer or the controller
         plain.proposer = plain.controller = None
         tick = time.perf_counter()
-        with forward_mode(self.compiled), torch_threads(self.threads):
-            plain._generate(request)
+        plain.generate(torch.arange(prompt_tokens)[None] % self.vocab_size, max_new_tokens=new_tokens)
         return time.perf_counter() - tick
 
     def _generate(self, request: Request) -> DecodeResult:
