@@ -184,11 +184,12 @@ class SpeculativeDecoder:
         ``draftsmith generate`` calls this before its one request (``--no-warm-up`` skips
         it). The proposer and the controller take no part: what they learn stays the requests'.
         """
-        prompt_tokens = check_integer("prompt_tokens", prompt_tokens)
-        if prompt_tokens < 1:
-            raise InputError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
-        if self.max_positions is not None:
-            prompt_tokens = min(prompt_tokens, self.max_positions - new_tokens)
+        prompt_tokens, new_tokens = check_integer("prompt_tokens", prompt_tokens), check_integer("new_tokens", new_tokens)
+        if prompt_tokens < 1 or new_tokens < 1:
+            raise InputError(f"prompt_tokens and new_tokens must be >= 1, got {prompt_tokens} and {new_tokens}")
+        if self.max_positions is not None:  # a longer request than the model holds warms up as the longest it holds
+            prompt_tokens = max(1, min(prompt_tokens, self.max_positions - new_tokens))
+            new_tokens = min(new_tokens, self.max_positions - prompt_tokens)
         plain = copy.copy(self)  # the same model and forward, without the proposer or the controller
         plain.proposer = plain.controller = None
         tick = time.perf_counter()

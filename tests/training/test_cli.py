@@ -26,6 +26,18 @@ def test_generate_prints_json_with_stats(tiny_target_dir, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["new_tokens"] == out["new_tokens"]
 
 
+def test_generate_warms_up_unless_told_not_to(tiny_target_dir, capsys):
+    argv = ["generate", "--target", str(tiny_target_dir), "--prompt", "def add", "--max-new-tokens", "6", "--json"]
+    runs = {}
+    for flag in ([], ["--no-warm-up"]):
+        assert main(argv + flag) == 0
+        runs[bool(flag)] = json.loads(capsys.readouterr().out)
+    assert runs[False]["warm_up_s"] > 0.0 and runs[True]["warm_up_s"] == 0.0
+    assert runs[False]["new_tokens"] == runs[True]["new_tokens"]  # the warm-up changes nothing in the output
+    assert main(argv[:-1]) == 0
+    assert re.search(r"after a \d+ ms warm-up\]", capsys.readouterr().out)
+
+
 def test_generate_text_output_and_errors(tiny_target_dir, tmp_path, capsys):
     assert main(["generate", "--target", str(tiny_target_dir), "--prompt", "def add", "--max-new-tokens", "5"]) == 0
     assert "target forwards" in capsys.readouterr().out

@@ -187,6 +187,25 @@ def test_draft_shrinks_to_fit_max_positions(make_llama, prompt):
     assert result.new_tokens == reference
 
 
+def test_warm_up_decodes_plain_and_leaves_the_requests_state_alone(model, make_llama, prompt, reference):
+    proposer = ScriptedProposer(oracle(reference, prompt.shape[1]))
+    decoder = SpeculativeDecoder(model, proposer)
+    before = decoder.controller.snapshot()
+    seconds = decoder.warm_up(prompt.shape[1])
+    assert seconds > 0.0
+    assert proposer.max_depths == [] and decoder.controller.snapshot() == before  # neither drafted nor learned
+    assert decoder.proposer is proposer and decoder.controller is not None
+    assert decoder.generate(prompt, max_new_tokens=MAX_NEW).new_tokens == reference
+    # a prompt longer than the model's positions is shortened to fit, not refused
+    short = make_llama(max_positions=24)
+    assert SpeculativeDecoder(short).warm_up(100) > 0.0 and SpeculativeDecoder(short).warm_up(1, new_tokens=40) > 0.0
+    for bad in (0, -3, 2.5, "8", True):
+        with pytest.raises(InputError, match="prompt_tokens"):
+            decoder.warm_up(bad)
+    with pytest.raises(InputError, match="new_tokens"):
+        decoder.warm_up(4, new_tokens=0)
+
+
 def test_sampling_is_seeded(model, prompt):
     decoder = SpeculativeDecoder(model, load_proposer({"type": "ngram", "min_n": 1}), adaptive=False)
     a = decoder.generate(prompt, max_new_tokens=20, temperature=0.8, top_k=20, top_p=0.9, seed=5).new_tokens
