@@ -19,6 +19,7 @@ REGISTRY: dict[str, str] = {
     "draft_model": "draftsmith.proposers.draft_model:DraftModelProposer",
     "medusa": "draftsmith.proposers.medusa:MedusaProposer",
     "eagle": "draftsmith.proposers.eagle:EagleProposer",
+    "dflash": "draftsmith.proposers.dflash:DFlashProposer",
     "mtp": "draftsmith.proposers.mtp:MtpProposer",
     "suffix": "draftsmith.proposers.suffix:SuffixProposer",
     "composite": "draftsmith.proposers.composite:CompositeProposer",

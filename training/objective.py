@@ -63,6 +63,7 @@ OBJECTIVES: dict[str, str | type] = {
     "draft_lm": "draftsmith.training.draft_lm:DraftLMObjective",
     "medusa": "draftsmith.training.medusa:MedusaObjective",
     "eagle": "draftsmith.training.eagle:EagleObjective",
+    "dflash": "draftsmith.training.dflash:DFlashObjective",
     "mtp": "draftsmith.training.mtp:MtpObjective",
 }
 

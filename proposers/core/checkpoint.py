@@ -46,10 +46,20 @@ class Checkpoint:
 
     def section(self, key: str, schema, what: str):
         """``schema(**config[key])``: the family's own copy of its shape; a missing or bad section is one InputError line."""
-        try:
-            return schema(**self.config[key])
-        except (KeyError, TypeError, ValueError) as error:
-            raise InputError(f"{what} config {self.path / CONFIG} cannot be used: {error}") from error
+        return config_section(self.path, self.config, key, schema, what)
+
+
+def config_section(path: Path, config: Mapping[str, Any], key: str, schema, what: str):
+    """``schema(**config[key])`` of the head directory ``path``; a missing or bad section is one InputError line."""
+    try:
+        return schema(**config[key])
+    except (KeyError, TypeError, ValueError) as error:
+        raise InputError(f"{what} config {Path(path) / CONFIG} cannot be used: {error}") from error
+
+
+def read_shape(path: str | Path, key: str, schema, what: str):
+    """A head's shape from ``path/config.json`` alone (``config[key]`` as ``schema``), without reading its weights."""
+    return config_section(Path(path), read_config_file(path, what), key, schema, what)
 
 
 def read_config_file(path: str | Path, what: str) -> dict[str, Any]:

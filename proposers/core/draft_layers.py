@@ -110,14 +110,23 @@ def cached_attention(
 
 
 class Attention(nn.Module):
-    def __init__(self, input_width: int, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False):
+    """Llama-style attention projections; with ``qk_norm_eps``, Qwen3-style per-head RMSNorms of q and k before the rotation."""
+
+    def __init__(
+        self, input_width: int, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False, qk_norm_eps: float | None = None
+    ):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_proj = nn.Linear(input_width, heads * head_dim, bias=bias)  # q / k / v biases: Qwen2-style blocks
         self.k_proj = nn.Linear(input_width, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(input_width, kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+        self.qk_norm = qk_norm_eps is not None
         self._fused = FusedCopy((self.q_proj, self.k_proj, self.v_proj))
+        self._fused_kv = FusedCopy((self.k_proj, self.v_proj))
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` ``[batch, m, width]`` -> rotated q ``[batch, heads, m, d]``, k and v ``[batch, kv_heads, m, d]``.
@@ -130,12 +139,27 @@ class Attention(nn.Module):
         if not torch.is_grad_enabled():
             heads, rotated = self.heads, self.heads + self.kv_heads
             qkv = F.linear(x, *self._fused.get()).view(batch, m, rotated + self.kv_heads, self.head_dim).transpose(1, 2)
+            if self.qk_norm:
+                q, k = rotate(self.q_norm(qkv[:, :heads]), cos, sin), rotate(self.k_norm(qkv[:, heads:rotated]), cos, sin)
+                return q, k, qkv[:, rotated:]
             qk = rotate(qkv[:, :rotated], cos, sin)
             return qk[:, :heads], qk[:, heads:], qkv[:, rotated:]
         q = self.q_proj(x).view(batch, m, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, m, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, m, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated (and normed) k and v ``[batch, kv_heads, m, d]`` of ``x`` ``[batch, m, width]``, without q (keys a cache holds)."""
+        batch, m, _ = x.shape
+        if torch.is_grad_enabled():
+            k = self.k_proj(x).view(batch, m, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = self.v_proj(x).view(batch, m, self.kv_heads, self.head_dim).transpose(1, 2)
+        else:
+            k, v = F.linear(x, *self._fused_kv.get()).view(batch, m, 2 * self.kv_heads, self.head_dim).transpose(1, 2).chunk(2, dim=1)
+        return rotate(self.k_norm(k) if self.qk_norm else k, cos, sin), v
 
     def out(self, attended: torch.Tensor) -> torch.Tensor:
         """``[batch, heads, m, d]`` -> ``[batch, m, hidden]``."""

@@ -94,6 +94,13 @@ def output_vocab_size(model: torch.nn.Module) -> int:
     return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
 
 
+def default_mask_token(model: torch.nn.Module) -> int:
+    """The token a parallel drafter's mask positions stand for by default: the pad token, else the last id."""
+    pad = getattr(model.config, "pad_token_id", None)
+    vocab = output_vocab_size(model)
+    return pad if isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < vocab else vocab - 1
+
+
 def saved_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The tensors ``save_pretrained`` writes: the state dict without the second name of a tied tensor."""
     kept = set(dict(model.named_parameters(remove_duplicate=True))) | set(dict(model.named_buffers()))
