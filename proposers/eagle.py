@@ -13,6 +13,11 @@
   ``concat(norm(embed(token)), norm(feature))`` (q / k / v of twice the hidden width);
   after the first step it feeds back its own output; its own LM head scores a reduced
   draft vocabulary, mapped to target ids by ``d2t`` (target id = draft id + d2t[draft id]).
+- P-EAGLE (parallel drafting): a head trained with ``parallel: true`` (``parallel_depth`` in
+  its config) drafts all depths in one forward: the catch-up entries, then ``k - 1`` mask
+  entries (``EagleDraft.mask_inputs``) in the same causal step; depth d's logits are the
+  row d - 1 after the last catch-up entry. A chain, or a tree of each depth's top tokens
+  combined best first (``proposers.core.block``), as every drafter of all depths at once.
 
 Alignment: the draft entry at position i reads the target's feature of position i and
 the token at i + 1, and predicts the token at i + 2. After a verification the draft has
@@ -35,6 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .core.block import position_draft
 from .core.cache import CACHE_HEADROOM, PreallocatedLayer
 from .core.engine import EngineExport, ExportControl, check_format, incomplete_copy, write_export, write_spec
 from .core.errors import InputError, check_integer, check_probability
@@ -52,7 +58,7 @@ class EagleProposer(ProposerBase):
     Args:
         model: an ``EagleDraft``, or a directory holding one (``EagleDraft.save``).
         target: the target model (required: the draft shares its embedding, and for EAGLE-1 its LM head).
-        k: draft depth.
+        k: draft depth (default 5; a parallel head's: the depth it trained for).
         tree_width: 1 drafts a chain; w > 1 grows EAGLE-2's dynamic tree: every expanded
             node gets w children, the w best leaves by cumulative draft log-prob are expanded.
         max_nodes: node budget of the tree (at least ``k``; default: no limit beyond width and depth).
@@ -61,13 +67,17 @@ class EagleProposer(ProposerBase):
         confidence_threshold: stop extending a branch after a token whose draft probability is below this.
         min_path_prob: drop (deterministic trees) and never expand nodes whose path probability
             is below this (``grow_dynamic_tree``): each node costs a row of the target's forward.
+
+    A parallel (P-EAGLE) head drafts ``k`` (at most the depth it trained for) depths in one
+    forward; its trees combine each depth's top ``tree_width`` tokens up to ``max_nodes``
+    (default ``k * tree_width``), and the two dynamic-tree keys above do not apply to it.
     """
 
     def __init__(
         self,
         model: EagleDraft | str | Path,
         target: nn.Module | None = None,
-        k: int = 5,
+        k: int | None = None,
         tree_width: int = 1,
         max_nodes: int | None = None,
         sample: bool = True,
@@ -76,6 +86,11 @@ class EagleProposer(ProposerBase):
     ):
         if target is None:
             raise InputError("the EAGLE proposer needs the target model: its draft shares the target's embedding and reads its features")
+        if isinstance(model, (str, Path)):
+            model = load_draft(model, target)
+        else:
+            check_head_fits(model.cfg, target)
+        k = (model.cfg.parallel_depth or 5) if k is None else k
         for name, value in (("k", k), ("tree_width", tree_width)):
             if check_integer(name, value) < 1:
                 raise InputError(f"{name} must be >= 1, got {value}")
@@ -85,10 +100,16 @@ class EagleProposer(ProposerBase):
             )
         check_probability("confidence_threshold", confidence_threshold)
         check_probability("min_path_prob", min_path_prob)
-        if isinstance(model, (str, Path)):
-            model = load_draft(model, target)
-        else:
-            check_head_fits(model.cfg, target)
+        if model.cfg.parallel_depth:
+            if k > model.cfg.parallel_depth:
+                raise InputError(
+                    f"k={k}: this parallel (P-EAGLE) head was trained to draft {model.cfg.parallel_depth} depths in one forward; "
+                    f"give k <= {model.cfg.parallel_depth}"
+                )
+            if confidence_threshold is not None or min_path_prob is not None:
+                raise InputError(
+                    "confidence_threshold and min_path_prob shape EAGLE-2's dynamic trees: a parallel head drafts every depth at once"
+                )
         self.draft = model.eval()
         self.cfg = model.cfg
         self.vocab_size = model.cfg.vocab_size
@@ -118,8 +139,10 @@ class EagleProposer(ProposerBase):
         written. An engine that shifts ids by one when the first is 1 would read such a
         list differently, so a first id below 2 is refused.
         """
-        check_format(format, ("vllm", "sglang"), "eagle")
         cfg = self.cfg
+        check_format(
+            format, ("vllm",) if cfg.parallel_depth else ("vllm", "sglang"), "a parallel eagle head" if cfg.parallel_depth else "eagle"
+        )
         if cfg.version == 3 and cfg.aux_layers[0] < 2:
             raise InputError(f"aux_layers {list(cfg.aux_layers)} start below 2: engines disagree on what id 1 means; retrain with ids >= 2")
         tensors = self.draft.tensors()
@@ -137,6 +160,8 @@ class EagleProposer(ProposerBase):
             }
         else:
             spec = {"method": "eagle3" if cfg.version == 3 else "eagle", "model": str(path), "num_speculative_tokens": self.k}
+            if cfg.parallel_depth:  # vLLM's P-EAGLE: the mask slots embed config.json's mask_token_id and read mask_hidden
+                spec["parallel_drafting"] = True
         return write_spec(EngineExport(path, format, spec))
 
     def export_controls(self, export: EngineExport, work: Path) -> list[ExportControl]:
@@ -147,7 +172,9 @@ class EagleProposer(ProposerBase):
           must accept near nothing;
         - without the aux-layer-id fields, when they are not the engine's default
           (``[2, N // 2, N - 3]``): it feeds the head other layers than it trained on; how much
-          that costs depends on how alike those layers are, so the gain is only reported.
+          that costs depends on how alike those layers are, so the gain is only reported;
+        - a parallel head served without ``parallel_drafting``: the engine drafts depth by
+          depth, feeding the head its own outputs where it trained on mask entries (reported).
         """
         cfg = self.cfg
         if cfg.version != 3:
@@ -165,6 +192,10 @@ class EagleProposer(ProposerBase):
 
             copy = incomplete_copy(export, work / f"{export.path.name}-no-aux-ids", edit_config=without_ids)
             controls.append(ExportControl("no aux ids", copy, False))
+        if cfg.parallel_depth:  # served without parallel_drafting, the engine feeds depths 2 .. its own outputs, never trained on
+            copy = incomplete_copy(export, work / f"{export.path.name}-sequential")
+            spec = {k: v for k, v in copy.speculative_config.items() if k != "parallel_drafting"}
+            controls.append(ExportControl("served sequentially", EngineExport(copy.path, copy.format, spec), False))
         return controls
 
     def begin(self, prompt: list[int], features: TargetFeatures | None) -> None:
@@ -193,7 +224,11 @@ class EagleProposer(ProposerBase):
             raise ValueError("propose() before begin(): the EAGLE proposer needs the prompt's features")
         self.cache.truncate(self._fed)  # drop the last step's tree entries (fed with draft features)
         depth, width = min(self.k, context.max_depth), min(self.tree_width, context.max_width or self.tree_width)
+        if self.cfg.parallel_depth:  # every depth in the catch-up's own forward
+            _, logits = self._catch_up(context.tokens, masks=max(depth - 1, 0))
+            return position_draft(logits, context, self.tree_width, self.max_nodes, self.sample) if depth >= 1 else Draft.empty()
         root_hidden, root_logits = self._catch_up(context.tokens)
+        root_hidden, root_logits = root_hidden[0], root_logits[0]
         if depth < 1:
             return Draft.empty()
         committed = self.cache.length  # entries up to the one before the root
@@ -226,17 +261,23 @@ class EagleProposer(ProposerBase):
         )
         return grown.draft
 
-    def _catch_up(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed every position whose feature is known (the last is the one before the root); return its output and logits."""
+    def _catch_up(self, tokens: list[int], masks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed every position whose feature is known (the last is the one before the root), then ``masks`` mask entries
+        (a parallel head's depths 2 ..), which leave the cache again; return the outputs ``[1 + masks, hidden]`` from the
+        last fed position on, and their logits."""
         features = self._pending_features()
         start, rows = self._fed, features.shape[0]
         assert start + rows == len(tokens) - 1, f"{rows} new features after {start} entries for {len(tokens)} tokens"
         ids = torch.tensor([tokens[start + 1 : start + 1 + rows]], device=self.device)
         hidden = self.draft.fuse(features.to(self.device))[None]  # [1, rows, hidden]
-        positions = torch.arange(start, start + rows, device=self.device)
-        out = self.draft.step(ids, hidden, positions, self.cache, None)[0, -1]
+        if masks:
+            mask_ids, mask_hidden = self.draft.mask_inputs(masks)
+            ids, hidden = torch.cat([ids, mask_ids], dim=1), torch.cat([hidden, mask_hidden], dim=1)
+        positions = torch.arange(start, start + rows + masks, device=self.device)
+        out = self.draft.step(ids, hidden, positions, self.cache, None)[0, rows - 1 :]
         self._fed = start + rows
-        return out, self._target_logits(out[None])[0]
+        self.cache.truncate(self._fed)
+        return out, self._target_logits(out)
 
     def _target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits over target ids ``[rows, vocab]`` (-inf outside a reduced draft vocabulary), float on the CPU."""

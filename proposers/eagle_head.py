@@ -4,6 +4,13 @@ Everything here is the module itself, shared by the proposer and ``training.eagl
 config (``EagleConfig``), a Llama-style layer with an explicit mask and cache, ``fc``,
 EAGLE-3's norm / LM head / vocabulary maps, and the checkpoint layout vLLM and SGLang
 load (no embedding; EAGLE-1 has no LM head: both are the target's).
+
+P-EAGLE (parallel drafting, as vLLM serves it with ``parallel_drafting``): an EAGLE-3 head
+trained to draft ``parallel_depth`` depths in one forward. Depth 1 is the usual entry
+(the root token, the feature before it); depths 2 .. K are mask entries at the next
+positions, each reading the target's embedding of ``mask_token_id`` and the learned
+``mask_hidden`` (a placeholder of the concatenated aux features, fused by ``fc`` like
+them), attending causally to the context and to the mask entries before it.
 """
 
 from __future__ import annotations
@@ -18,10 +25,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .core.cache import PreallocatedLayer
-from .core.checkpoint import CONFIG, WEIGHTS, check_fits_target, check_tensors, read_checkpoint, read_config_file
+from .core.checkpoint import CONFIG, WEIGHTS, check_fits_target, check_tensors, read_checkpoint, read_shape
 from .core.draft_layers import MLP, Attention, RMSNorm, RotaryTable, cached_attention, layer_shape, linear
-from .core.errors import InputError
-from .core.models import output_vocab_size
+from .core.errors import InputError, check_integer
+from .core.models import default_mask_token, output_vocab_size
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,9 @@ class EagleConfig:
         draft_vocab_size: the draft LM head's vocabulary (EAGLE-3; EAGLE-1 uses the target's).
         num_heads, num_kv_heads, head_dim, intermediate_size: the layer's attention and MLP.
         rms_norm_eps, rope_theta: as the target's.
+        parallel_depth: 0 for a head that drafts one depth per forward; K > 0 for a P-EAGLE
+            head trained to draft K depths in one forward (EAGLE-3 only).
+        mask_token_id: the token a parallel head's mask entries embed (P-EAGLE only).
     """
 
     version: int
@@ -53,8 +63,20 @@ class EagleConfig:
     intermediate_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    parallel_depth: int = 0
+    mask_token_id: int | None = None
 
     def __post_init__(self):
+        if check_integer("parallel_depth", self.parallel_depth) < 0:
+            raise InputError(f"parallel_depth must be >= 0 (0: a sequential head), got {self.parallel_depth}")
+        if self.parallel_depth and self.version != 3:
+            raise InputError("parallel drafting (P-EAGLE) is an EAGLE-3 option: version must be 3")
+        if self.parallel_depth and not (
+            isinstance(self.mask_token_id, int) and not isinstance(self.mask_token_id, bool) and 0 <= self.mask_token_id < self.vocab_size
+        ):
+            raise InputError(f"a parallel head needs a mask_token_id in [0, {self.vocab_size}), got {self.mask_token_id!r}")
+        if not self.parallel_depth and self.mask_token_id is not None:
+            raise InputError("mask_token_id is for parallel heads (parallel_depth > 0)")
         if self.version not in (1, 3):
             raise InputError(f"EAGLE version must be 1 or 3, got {self.version!r}")
         if self.version == 1 and list(self.aux_layers) != [-1]:
@@ -141,6 +163,8 @@ class EagleDraft(nn.Module):
             # the identity map until set_vocabulary chooses the draft's tokens
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.arange(cfg.vocab_size) < cfg.draft_vocab_size)
+        if cfg.parallel_depth:  # the mask entries' placeholder features, in the aux features' own space (vLLM's layout)
+            self.mask_hidden = nn.Parameter(torch.zeros(fc_in))
         self._rotary = RotaryTable(cfg.head_dim, cfg.rope_theta)
 
     # -- vocabulary ----------------------------------------------------------------------
@@ -165,6 +189,11 @@ class EagleDraft(nn.Module):
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """EAGLE-3: the concatenated aux features ``[..., 3 * target_hidden]`` -> ``[..., hidden]``; EAGLE-1: unchanged."""
         return linear(self.fc, features) if self.cfg.version == 3 else features
+
+    def mask_inputs(self, count: int, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """A parallel head's ``count`` mask entries: their tokens ``[batch, count]`` and fused features ``[batch, count, hidden]``."""
+        tokens = torch.full((batch, count), self.cfg.mask_token_id, dtype=torch.long, device=self.fc.weight.device)
+        return tokens, self.fuse(self.mask_hidden).expand(batch, count, -1)
 
     def layer_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention input, residual) of a step from token embeddings and features ``[batch, m, hidden]``."""
@@ -242,16 +271,14 @@ def checkpoint_config(cfg: EagleConfig) -> dict:
             "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers)},
             "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),
         }
+    if cfg.parallel_depth:  # the id vLLM embeds for the mask slots of parallel drafting
+        config["mask_token_id"] = cfg.mask_token_id
     return config
 
 
 def read_head_config(path: str | Path) -> EagleConfig:
     """The shape of the EAGLE draft saved in ``path`` (``EagleDraft.save``); a missing or bad config is one clear error."""
-    config = read_config_file(path, "EAGLE draft")
-    try:
-        return EagleConfig(**config["draftsmith_eagle"])
-    except (KeyError, TypeError, ValueError) as error:
-        raise InputError(f"EAGLE config {Path(path) / CONFIG} cannot be used: {error}") from error
+    return read_shape(path, "draftsmith_eagle", EagleConfig, "EAGLE draft")
 
 
 def load_draft(path: str | Path, target: nn.Module) -> EagleDraft:
@@ -305,8 +332,13 @@ def config_for_target(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     intermediate_size: int | None = None,
+    parallel_depth: int = 0,
+    mask_token_id: int | None = None,
 ) -> EagleConfig:
-    """The EAGLE shape for ``target``: its hidden size, positions' rotary, heads and vocabulary unless given."""
+    """The EAGLE shape for ``target``: its hidden size, positions' rotary, heads and vocabulary unless given.
+
+    A parallel head (``parallel_depth`` > 0) embeds ``mask_token_id`` for its mask entries (default: the target's pad token).
+    """
     hidden = target.config.hidden_size
     vocab = output_vocab_size(target)
     layers = int(target.config.num_hidden_layers)
@@ -318,5 +350,7 @@ def config_for_target(
         aux_layers=[-1] if version == 1 else list(aux_layers or default_aux_layers(layers)),
         vocab_size=vocab,
         draft_vocab_size=vocab if version == 1 else (draft_vocab_size or vocab),
+        parallel_depth=parallel_depth,
+        mask_token_id=(default_mask_token(target) if mask_token_id is None else mask_token_id) if parallel_depth else None,
         **layer_shape(target, num_heads, num_kv_heads, intermediate_size),
     )

@@ -12,6 +12,12 @@
   to the target's distribution restricted to the draft vocabulary, weighted by
   ``decay ** j``. Held-out evaluation reports the top-1 acceptance of every step.
 
+- P-EAGLE (``parallel: true``; EAGLE-3 only): the same unrolled steps, but step j > 0 reads
+  the mask token and the learned ``mask_hidden`` instead of the token j places further and
+  step j - 1's outputs, as the parallel head drafts every depth in one forward. The
+  attention is the training-time test's: row i of step j sees the context rows <= i and its
+  own rows of steps 1 .. j, which is the causal attention of the mask entries at drafting.
+
 The draft vocabulary (EAGLE-3) is the ``draft_vocab_size`` most frequent tokens of the
 training data.
 """
@@ -53,6 +59,8 @@ class EagleObjective:
             ``EagleDraft.save`` directory, e.g. a first stage on shorter blocks) instead of a
             fresh one; its shape, aux layers and draft vocabulary must be the ones this
             recipe describes.
+        parallel: train a P-EAGLE head that drafts ``ttt_steps`` depths in one forward (EAGLE-3).
+        mask_token_id: the token a parallel head's mask entries embed (None: the target's pad token).
     """
 
     needs_logits = True
@@ -70,9 +78,17 @@ class EagleObjective:
         num_kv_heads: int | None = None,
         intermediate_size: int | None = None,
         init_from: str | None = None,
+        parallel: bool = False,
+        mask_token_id: int | None = None,
     ):
         if version not in (1, 3):
             raise InputError(f"draft.version must be 1 or 3, got {version!r}")
+        if not isinstance(parallel, bool):
+            raise InputError(f"draft.parallel must be true or false, got {parallel!r}")
+        if parallel and version != 3:
+            raise InputError("draft.parallel (P-EAGLE) is an EAGLE-3 option: set draft.version: 3")
+        if mask_token_id is not None and not parallel:
+            raise InputError("draft.mask_token_id is for parallel heads (draft.parallel: true)")
         if check_integer("draft.ttt_steps", ttt_steps) < 1:
             raise InputError(f"draft.ttt_steps must be >= 1, got {ttt_steps}")
         if draft_vocab_size is not None and check_integer("draft.draft_vocab_size", draft_vocab_size) < 1:
@@ -85,6 +101,7 @@ class EagleObjective:
         self.version, self.aux_layers, self.draft_vocab_size, self.ttt_steps = version, aux_layers, draft_vocab_size, ttt_steps
         self.decay, self.feature_weight, self.ce_weight = decay, feature_weight, ce_weight
         self.shape = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "intermediate_size": intermediate_size}
+        self.shape |= {"parallel_depth": ttt_steps if parallel else 0, "mask_token_id": mask_token_id}
         self.init_from = init_from
         self.hidden_layers: tuple[int, ...] = (-1,) if version == 1 else tuple(aux_layers or ())
 
@@ -191,16 +208,22 @@ def ttt_loss(draft: EagleDraft, batch, captured: Captured, layers: tuple[int, ..
 
 
 def unrolled_logits(draft: EagleDraft, tokens: torch.Tensor, captured: Captured, layers: tuple[int, ...], steps: int):
-    """Yield the draft logits ``[batch, seq - 1 - j, draft_vocab]`` of each unrolled step j: row i guesses token i + j + 2."""
+    """Yield the draft logits ``[batch, seq - 1 - j, draft_vocab]`` of each unrolled step j: row i guesses token i + j + 2.
+
+    A parallel head's steps j > 0 read its mask entries instead of tokens and their own outputs.
+    """
     seq = tokens.shape[1]
     rows = seq - 1  # step j's row i reads token i + j + 1 and is scored against the target's row i + j + 1
     positions = torch.arange(rows, device=tokens.device)
     hidden = draft.fuse(torch.cat([captured.hidden[layer].float() for layer in layers], dim=-1))[:, :rows]  # [batch, rows, hidden]
     keys: list = []
     for j in range(min(steps, rows)):
-        out = _run_step(draft, _shifted(tokens, j, rows), hidden, positions + j, keys)
+        step_tokens = _shifted(tokens, j, rows)
+        if j and draft.cfg.parallel_depth:
+            step_tokens, hidden = draft.mask_inputs(rows, tokens.shape[0])
+        out = _run_step(draft, step_tokens, hidden, positions + j, keys)
         yield draft.logits(out[:, : rows - j])
-        hidden = out  # the next step reads this step's outputs
+        hidden = out  # a sequential head's next step reads this step's outputs
 
 
 def _shifted(tokens: torch.Tensor, j: int, rows: int) -> torch.Tensor:

@@ -164,7 +164,7 @@ def test_eagle1_training_row_equals_the_first_draft_level(make_llama):
 
     with torch.no_grad():
         out = _run_step(draft, sequence[:, 1:], captured.hidden[-1][:, :-1], torch.arange(len(prompt)), [])
-        torch.testing.assert_close(root_logits, draft.logits(out)[0, -1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(root_logits[0], draft.logits(out)[0, -1], atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------
