@@ -150,7 +150,9 @@ def _mixed_rows(docs: dict[str, list], num_prompts: int, prompt_chars: int) -> l
 #: children per expanded node, 16 nodes: on this CPU a verified node costs a sixteenth of a
 #: target step whatever its chance, and these trees ran faster than 24-node ones with 3
 #: children in 11 of 12 paired runs, at 5-9% less tau; benchmarks/RESULTS.md). MTP: the 3
-#: modules draft a 3-token chain.
+#: modules draft a 3-token chain. The drafters of every depth in one forward (DFlash's block
+#: drafter, the parallel EAGLE-3 head) draft trees of each depth's 2 best tokens, 12 nodes
+#: (benchmarks/results/parallel.md).
 SHIPPED = {
     "demo_draft": ("demo_draft", {"type": "draft_model", "k": 6, "confidence_threshold": 0.4}),
     "medusa": ("demo_medusa", {"type": "medusa"}),
@@ -158,6 +160,8 @@ SHIPPED = {
     "eagle2": ("demo_eagle1", {"type": "eagle", "k": 6, "tree_width": 2, "max_nodes": 16}),
     "eagle3": ("demo_eagle3", {"type": "eagle", "k": 6, "tree_width": 2, "max_nodes": 16}),
     "mtp": ("demo_mtp", {"type": "mtp"}),
+    "dflash": ("demo_dflash", {"type": "dflash", "tree_width": 2, "max_nodes": 12}),
+    "peagle": ("demo_peagle", {"type": "eagle", "k": 5, "tree_width": 2, "max_nodes": 12}),
 }
 
 

@@ -367,6 +367,7 @@ def summarise(config: EvalConfig, records: list[Record], stats: dict) -> dict[st
                 # what the controller chose: the mean of the draft nodes verified per step, and the share of plain steps it planned
                 "nodes_per_step": merged.drafted_tokens / merged.steps if merged and merged.steps else None,
                 "plain_share": merged.planned_plain_steps / merged.steps if merged and merged.steps and method != PLAIN else None,
+                "draft_ms_per_step": 1000 * merged.draft_time / merged.steps if merged and merged.steps else None,
                 "identical": f"{sum(identical)}/{len(identical)}" if identical else None,
             }
         )
