@@ -26,7 +26,7 @@ from .train import load_frozen_target
 def capture_offline(cfg: TrainConfig) -> dict:
     """Write a training recipe's train (and eval) rows with the target's features as safetensors shards; resumable."""
     objective, run_dir = make_objective(cfg), run_dir_of(cfg)
-    check_files(cfg.data.train_files + cfg.data.eval_files)
+    check_files(cfg.data.train_files + cfg.data.eval_files, cfg.data)
     target, tokenizer = load_frozen_target(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     splits = {"train": build_dataset(cfg, cfg.data.train_files, tokenizer, target, run_dir, cfg.data.max_documents)}
     if cfg.data.eval_files:

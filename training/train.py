@@ -61,7 +61,7 @@ def train(cfg: TrainConfig, interrupt_after_steps: int = 0) -> Path:
     """Train the recipe's draft, export it and return ``output_dir``; resumes from ``run_dir`` when it holds checkpoints."""
     objective = make_objective(cfg)
     run_dir = run_dir_of(cfg)
-    check_files(cfg.data.train_files + cfg.data.eval_files)  # before anything slow
+    check_files(cfg.data.train_files + cfg.data.eval_files, cfg.data)  # before anything slow
     check_writable(run_dir, "run_dir")
     check_writable(Path(cfg.output_dir).resolve().parent, "the directory of output_dir")
     check_resumable(cfg, run_dir)
