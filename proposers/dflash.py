@@ -30,6 +30,7 @@ from .core.block import position_draft
 from .core.cache import CACHE_HEADROOM, PreallocatedLayer
 from .core.engine import EngineExport, ExportControl, check_format, incomplete_copy, write_export, write_spec
 from .core.errors import InputError, check_integer
+from .core.features import FeatureQueue
 from .core.proposer import ProposerBase
 from .core.types import Draft, ProposeContext, TargetFeatures, VerifyResult
 from .dflash_head import MASK_EMBEDDING, DFlashDraft, check_dflash_fits, checkpoint_config, load_dflash, read_mask_embedding
@@ -82,7 +83,7 @@ class DFlashProposer(ProposerBase):
         self.k, self.tree_width, self.max_nodes, self.sample = k, tree_width, max_nodes, sample
         self.device = model.fc.weight.device
         self.caches: list[PreallocatedLayer] = []
-        self._features: list[list[torch.Tensor]] = []  # per observed block of positions: its aux layers' [rows, hidden]
+        self._features = FeatureQueue(self.hidden_layers, "DFlash")  # the positions not yet in the context caches
         self._fed = 0  # context positions in the caches
 
     def draft_depth(self) -> int:
@@ -94,15 +95,10 @@ class DFlashProposer(ProposerBase):
     def begin(self, prompt: list[int], features: TargetFeatures | None) -> None:
         self.caches = [PreallocatedLayer(len(prompt) + CACHE_HEADROOM) for _ in self.draft.layers]
         self._fed = 0
-        self._features = [self._feature_rows(features)]
+        self._features.start(features)
 
     def observe(self, result: VerifyResult, features: TargetFeatures | None) -> None:
-        self._features.append(self._feature_rows(features))
-
-    def _feature_rows(self, features: TargetFeatures | None) -> list[torch.Tensor]:
-        if features is None or any(layer not in features.hidden_states for layer in self.hidden_layers):
-            raise ValueError(f"the DFlash proposer needs the target's hidden layers {list(self.hidden_layers)} with every observe")
-        return [features.hidden_states[layer] for layer in self.hidden_layers]
+        self._features.push(features)
 
     @torch.inference_mode()
     def propose(self, context: ProposeContext) -> Draft:
@@ -123,9 +119,7 @@ class DFlashProposer(ProposerBase):
 
     def _catch_up(self, positions: int) -> None:
         """Feed the queued features into every layer's context cache: it then holds ``positions`` positions (all before the anchor)."""
-        blocks, self._features = self._features, []
-        layers = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*blocks, strict=True)]
-        features = torch.cat(layers, dim=-1) if len(layers) > 1 else layers[0]  # [rows, n_aux * hidden]
+        features = self._features.pop()  # [rows, n_aux * hidden]
         start, rows = self._fed, features.shape[0]
         assert start + rows == positions, f"{rows} new features after {start} positions for an anchor at {positions}"
         rows_context = self.draft.context(features.to(self.device))[None]  # [1, rows, hidden]

@@ -44,6 +44,7 @@ from .core.block import position_draft
 from .core.cache import CACHE_HEADROOM, PreallocatedLayer
 from .core.engine import EngineExport, ExportControl, check_format, incomplete_copy, write_export, write_spec
 from .core.errors import InputError, check_integer, check_probability
+from .core.features import FeatureQueue
 from .core.proposer import ProposerBase
 from .core.tree import DraftTree, grow_dynamic_tree, incremental_tree_mask
 from .core.types import Draft, ProposeContext, TargetFeatures, VerifyResult
@@ -121,7 +122,7 @@ class EagleProposer(ProposerBase):
         # draft logits need a scatter onto target ids only where the draft vocabulary is not the target's in order
         self._draft_ids = None if ids is None or torch.equal(ids, torch.arange(self.vocab_size, device=ids.device)) else ids
         self.cache: PreallocatedLayer | None = None
-        self._features: list[list[torch.Tensor]] = []  # per block of positions not yet fed, in order: its aux layers' [rows, hidden]
+        self._features = FeatureQueue(self.hidden_layers, "EAGLE")  # the positions not yet fed
         self._fed = 0  # draft entries fed with the target's own features (positions 0 .. fed - 1)
 
     def draft_depth(self) -> int:
@@ -201,22 +202,10 @@ class EagleProposer(ProposerBase):
     def begin(self, prompt: list[int], features: TargetFeatures | None) -> None:
         self.cache = PreallocatedLayer(len(prompt) + CACHE_HEADROOM)
         self._fed = 0
-        self._features = [self._feature_rows(features)]
+        self._features.start(features)
 
     def observe(self, result: VerifyResult, features: TargetFeatures | None) -> None:
-        self._features.append(self._feature_rows(features))
-
-    def _feature_rows(self, features: TargetFeatures | None) -> list[torch.Tensor]:
-        """The scored positions' aux layers, each ``[rows, hidden]``; concatenated when fed (``_pending_features``), not per step."""
-        if features is None or any(layer not in features.hidden_states for layer in self.hidden_layers):
-            raise ValueError(f"the EAGLE proposer needs the target's hidden layers {list(self.hidden_layers)} with every observe")
-        return [features.hidden_states[layer] for layer in self.hidden_layers]
-
-    def _pending_features(self) -> torch.Tensor:
-        """The features of every position not yet fed, ``[rows, feature width]`` (the aux layers side by side, EAGLE-3), float."""
-        blocks, self._features = self._features, []
-        layers = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*blocks, strict=True)]
-        return (torch.cat(layers, dim=-1) if len(layers) > 1 else layers[0]).float()
+        self._features.push(features)
 
     @torch.inference_mode()
     def propose(self, context: ProposeContext) -> Draft:
@@ -265,7 +254,7 @@ class EagleProposer(ProposerBase):
         """Feed every position whose feature is known (the last is the one before the root), then ``masks`` mask entries
         (a parallel head's depths 2 ..), which leave the cache again; return the outputs ``[1 + masks, hidden]`` from the
         last fed position on, and their logits."""
-        features = self._pending_features()
+        features = self._features.pop()  # [rows, feature width]: the aux layers side by side (EAGLE-3)
         start, rows = self._fed, features.shape[0]
         assert start + rows == len(tokens) - 1, f"{rows} new features after {start} entries for {len(tokens)} tokens"
         ids = torch.tensor([tokens[start + 1 : start + 1 + rows]], device=self.device)

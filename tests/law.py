@@ -137,3 +137,19 @@ def assert_law_rejects(target, proposer, sampling: SamplingParams, n: int, law_c
     counts, _ = sample_law(target, proposer, sampling, n, controller)
     results = law_statistics(counts, exact_law(target, sampling), n, law_check)
     assert any(stat >= critical for stat, critical, _ in results.values()), results
+
+
+def assert_law_case(target, proposer, sampling: SamplingParams, decisions: str, n: int, law_check, label: str = "") -> None:
+    """One law test case: with the proposer's fixed config (``"fixed"``: its first drafts must be both accepted and
+    rejected, or the test proves nothing) or with ``deciding_controller`` (``"controller"``)."""
+    if decisions == "controller":
+        assert_follows_law_deciding(target, proposer, sampling, n, law_check, label)
+        return
+    accepted = assert_follows_law(target, proposer, sampling, n, law_check, label)
+    assert 0.05 < sum(a > 0 for a in accepted) / len(accepted) < 0.95  # first drafts accepted and rejected
+
+
+def assert_control_rejects(target, proposer, decisions: str, n: int, law_check) -> None:
+    """The negative control of a law test at T = 1 (the caller has broken the sampler), fixed or with the controller deciding."""
+    controller, requests = control_decisions(decisions, proposer, n)
+    assert_law_rejects(target, proposer, SamplingParams(1.0), requests, law_check, controller)

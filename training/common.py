@@ -8,6 +8,7 @@ directory and renamed when complete, so an interrupt never leaves half a checkpo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -53,6 +54,14 @@ def config_hash(values: dict, keys: tuple[str, ...] | None = None, exclude: set[
 
 
 # --- optimisation ----------------------------------------------------------
+
+
+def check_same_shape(init_from: str, saved, wanted) -> None:
+    """Raise InputError unless the head saved in ``init_from`` (its shape ``saved``) has the recipe's shape ``wanted``
+    (dataclasses of one kind); the message names the first key that differs."""
+    for key, mine in dataclasses.asdict(wanted).items():
+        if getattr(saved, key) != mine:
+            raise InputError(f"draft.init_from {init_from} has {key} {getattr(saved, key)!r}, this recipe asks for {mine!r}")
 
 
 def make_adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:

@@ -21,7 +21,6 @@ random per batch; held-out evaluation spaces them evenly (reproducible metrics).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
 
@@ -32,6 +31,7 @@ from draftsmith.proposers.core.errors import InputError, check_integer, check_re
 from draftsmith.proposers.dflash_head import DFlashDraft, dflash_config_for_target, dflash_for_target, load_dflash, read_dflash_config
 
 from .capture import Captured
+from .common import check_same_shape
 from .losses import check_loss, cross_entropy_to, decayed_mean, forward_kl_to, log_probs, masked_mean
 
 LOSSES = ("forward_kl", "cross_entropy")
@@ -91,10 +91,7 @@ class DFlashObjective:
         self.config = dflash_config_for_target(target, **self.shape)
         self.hidden_layers = tuple(self.config.aux_layers)
         if self.init_from is not None:
-            saved = read_dflash_config(self.init_from)
-            for key, mine in asdict(self.config).items():
-                if getattr(saved, key) != mine:
-                    raise InputError(f"draft.init_from {self.init_from} has {key} {getattr(saved, key)!r}, this recipe asks for {mine!r}")
+            check_same_shape(self.init_from, read_dflash_config(self.init_from), self.config)
 
     def build(self, target: nn.Module, tokenizer, rows=None) -> nn.Module:
         """A fresh drafter (its final norm started from the target's), or ``init_from``'s."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -37,6 +36,7 @@ from draftsmith.proposers.core.errors import InputError, check_integer, check_re
 from draftsmith.proposers.eagle_head import EagleDraft, config_for_target, draft_for_target, load_draft, read_head_config
 
 from .capture import Captured
+from .common import check_same_shape
 from .losses import decayed_mean, forward_kl_to, masked_mean
 
 FREQUENCY_ROWS = 20000  # training rows counted to choose the draft vocabulary
@@ -110,14 +110,7 @@ class EagleObjective:
         self.config = config_for_target(target, self.version, self.aux_layers, self.draft_vocab_size, **self.shape)
         self.hidden_layers = tuple(self.config.aux_layers)
         if self.init_from is not None:
-            self._check_start()
-
-    def _check_start(self) -> None:
-        """Raise unless ``init_from`` holds a head of the recipe's shape (an InputError names the first difference)."""
-        saved = read_head_config(self.init_from)
-        for key, mine in asdict(self.config).items():
-            if getattr(saved, key) != mine:
-                raise InputError(f"draft.init_from {self.init_from} has {key} {getattr(saved, key)!r}, this recipe asks for {mine!r}")
+            check_same_shape(self.init_from, read_head_config(self.init_from), self.config)
 
     def build(self, target: nn.Module, tokenizer, rows=None) -> nn.Module:
         """A fresh draft for the target (EAGLE-3's vocabulary from the token frequencies of ``rows``), or ``init_from``'s."""

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 from heads import fit, greedy_sequences, tiny_neox, tiny_qwen2
-from law import V, assert_follows_law, assert_follows_law_deciding, assert_law_rejects, control_decisions
+from law import V, assert_control_rejects, assert_law_case
 from safetensors.torch import load_file
 
 import draftsmith.training.dflash as dflash_objective
@@ -169,12 +169,9 @@ def law_setup(make_llama):
 def test_sampled_output_follows_the_target_law(case, decisions, law_setup, law_check):
     width, sampling = LAW_CASES[case]
     target, drafter = law_setup
-    proposer = DFlashProposer(drafter, target=target, k=2, tree_width=width)
-    if decisions == "controller":
-        assert_follows_law_deciding(target, proposer, sampling, N_LAW, law_check, f"{case}, ")
-    else:
-        accepted = assert_follows_law(target, proposer, sampling, N_LAW, law_check, f"{case}, ")
-        assert 0.05 < sum(a > 0 for a in accepted) / len(accepted) < 0.95  # first drafts accepted and rejected
+    assert_law_case(
+        target, DFlashProposer(drafter, target=target, k=2, tree_width=width), sampling, decisions, N_LAW, law_check, f"{case}, "
+    )
 
 
 @pytest.mark.parametrize("decisions", ["fixed", "controller"])
@@ -182,9 +179,7 @@ def test_sampled_output_follows_the_target_law(case, decisions, law_setup, law_c
 def test_negative_control_broken_residual_fails_the_law_test(width, decisions, law_setup, law_check, monkeypatch):
     monkeypatch.setattr(rejection, "residual_distribution", lambda target_probs, draft_probs, token: target_probs)
     target, drafter = law_setup
-    proposer = DFlashProposer(drafter, target=target, k=2, tree_width=width)
-    controller, n = control_decisions(decisions, proposer, N_CONTROL)
-    assert_law_rejects(target, proposer, SamplingParams(1.0), n, law_check, controller)
+    assert_control_rejects(target, DFlashProposer(drafter, target=target, k=2, tree_width=width), decisions, N_CONTROL, law_check)
 
 
 # ---------------------------------------------------------------------------------------

@@ -299,7 +299,7 @@ def test_unknown_keys_and_bad_values_fail_with_the_valid_ones(tmp_path):
         load_config(recipe, ["loss=kl"])  # a family key, and so under draft:
     with pytest.raises(ValueError, match=r"draft.loss': 'kl' is not one of \['forward_kl', 'reverse_kl', 'tvd'\]"):
         load_config(recipe, ["draft.loss=kl"])
-    with pytest.raises(ValueError, match=r"unknown training type 'medusa2'; available: \['draft_lm'"):
+    with pytest.raises(ValueError, match=r"unknown training type 'medusa2'; available: \['dflash', 'draft_lm'"):
         load_config(recipe, ["type=medusa2"])
     with pytest.raises(ValueError, match="'batch_size': expected int"):
         load_config(recipe, ["batch_size=eight"])
