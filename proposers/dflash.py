@@ -156,14 +156,19 @@ class DFlashProposer(ProposerBase):
 
     def export_controls(self, export: EngineExport, work: Path) -> list[ExportControl]:
         """Incomplete copies an engine loads without a word: no mask embedding file (the mask positions then read the
-        vocabulary's embedding of ``mask_token_id``, not what the drafter trained on), and no ``target_layer_ids``
-        (the engine then feeds its own choice of layers). How much each costs depends on the model: reported."""
+        vocabulary's embedding of ``mask_token_id``, not what the drafter trained on), and, when the drafter reads as many
+        target layers as it has layers of its own, no ``target_layer_ids`` (vLLM then hands over as many layers of its
+        own choice; with another count its ``fc`` does not fit and it refuses loudly). How much each costs depends on the
+        model: reported."""
         no_mask = incomplete_copy(export, work / f"{export.path.name}-no-mask-embedding")
         (no_mask.path / MASK_EMBEDDING).unlink()
+        controls = [ExportControl("no mask embedding", no_mask, False)]
+        if len(self.cfg.aux_layers) == self.cfg.num_layers:
 
-        def without_layer_ids(config: dict) -> dict:
-            config["dflash_config"] = {k: v for k, v in config["dflash_config"].items() if k != "target_layer_ids"}
-            return config
+            def without_layer_ids(config: dict) -> dict:
+                config["dflash_config"] = {k: v for k, v in config["dflash_config"].items() if k != "target_layer_ids"}
+                return config
 
-        no_ids = incomplete_copy(export, work / f"{export.path.name}-no-layer-ids", edit_config=without_layer_ids)
-        return [ExportControl("no mask embedding", no_mask, False), ExportControl("no layer ids", no_ids, False)]
+            no_ids = incomplete_copy(export, work / f"{export.path.name}-no-layer-ids", edit_config=without_layer_ids)
+            controls.append(ExportControl("no layer ids", no_ids, False))
+        return controls

@@ -111,6 +111,9 @@ def default_aux_layers(num_layers: int) -> list[int]:
     raise InputError(f"a target of {num_layers} layers has no three distinct aux layers (EAGLE-3 needs at least 4 layers)")
 
 
+VOCABULARY_MAPS = ("d2t", "t2d")  # EAGLE-3's draft id -> target id offsets, and the target ids it drafts
+
+
 # -- the draft layer -------------------------------------------------------------------
 
 
@@ -230,11 +233,16 @@ class EagleDraft(nn.Module):
     # -- saving ----------------------------------------------------------------------------
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The draft's own tensors under the names its checkpoint uses (EAGLE-3: ``midlayer.*``; EAGLE-1: ``layers.0.*``)."""
+        """The draft's own tensors under the names its checkpoint uses (EAGLE-3: ``midlayer.*``; EAGLE-1: ``layers.0.*``).
+
+        A head over the target's whole vocabulary has no ``d2t`` / ``t2d``: its maps are the
+        identity, which engines assume, and vLLM refuses a ``d2t`` for such a head.
+        """
         prefix = "midlayer." if self.cfg.version == 3 else "layers.0."
+        identity_maps = self.cfg.version == 3 and self.cfg.draft_vocab_size == self.cfg.vocab_size
         out = {}
         for name, tensor in self.state_dict().items():
-            if tensor is None:
+            if tensor is None or (identity_maps and name in VOCABULARY_MAPS):
                 continue
             out[prefix + name.removeprefix("layer.") if name.startswith("layer.") else name] = tensor
         return out
@@ -287,14 +295,20 @@ def load_draft(path: str | Path, target: nn.Module) -> EagleDraft:
     check_head_fits(cfg, target)
     draft = draft_for_target(cfg, target)
     checkpoint = read_checkpoint(path, "EAGLE draft")
-    check_tensors(checkpoint.weights, checkpoint.tensors, draft.tensors(), "EAGLE")
+    stored = dict(checkpoint.tensors)
+    if cfg.version == 3 and cfg.draft_vocab_size == cfg.vocab_size:  # identity maps, written by earlier versions: checked, not kept
+        maps = {name: stored.pop(name) for name in VOCABULARY_MAPS if name in stored}
+        if ("d2t" in maps and bool(maps["d2t"].any())) or ("t2d" in maps and not bool(maps["t2d"].all())):
+            raise InputError(f"{checkpoint.weights}: a head of the target's whole vocabulary has d2t / t2d that are not the identity")
+    check_tensors(checkpoint.weights, stored, draft.tensors(), "EAGLE")
     renamed = {}
-    for name, tensor in checkpoint.tensors.items():
+    for name, tensor in stored.items():
         for prefix in ("midlayer.", "layers.0."):
             if name.startswith(prefix):
                 name = "layer." + name.removeprefix(prefix)
         renamed[name] = tensor.float() if tensor.is_floating_point() else tensor
-    draft.load_state_dict(renamed)
+    loaded = draft.load_state_dict(renamed, strict=False)  # a whole-vocabulary head keeps its identity maps as built
+    assert set(loaded.missing_keys) <= set(VOCABULARY_MAPS) and not loaded.unexpected_keys, loaded
     if cfg.version == 3:
         check_vocabulary_maps(draft, checkpoint.weights)
     return draft.eval()

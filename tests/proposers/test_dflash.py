@@ -220,6 +220,9 @@ def test_vllm_export_has_the_engines_files_and_fields(targets, drafters, tmp_pat
     for name, tensor in proposer.draft.state_dict().items():
         assert torch.equal(reloaded.draft.state_dict()[name], tensor), name
     labels = [control.label for control in proposer.export_controls(exported, tmp_path / "work")]
+    assert labels == ["no mask embedding"]  # 3 aux layers for 1 drafter layer: vLLM's default layer count refuses loudly
+    two_layers = DFlashProposer(random_drafter(target, block_size=5, num_layers=2, aux_layers=[1, 3]), target=target)
+    labels = [control.label for control in two_layers.export_controls(two_layers.export(tmp_path / "two"), tmp_path / "work2")]
     assert labels == ["no mask embedding", "no layer ids"]
     assert not (tmp_path / "work" / "out-no-mask-embedding" / MASK_EMBEDDING).exists()
     with pytest.raises(InputError, match=r"exports to \['vllm'\], got format 'sglang'"):
