@@ -8,7 +8,8 @@ generation. A document is anything with a ``path`` and a ``text``.
 
 Domains (one JSONL file each, ``{"prompt", "domain", "source"}``):
 - ``code``: held-out standard-library modules;
-- ``prose``: held-out man pages, package docs and pydoc topics;
+- ``prose``: held-out man pages, package READMEs and pydoc topics, taken in turn (no licence
+  or copyright texts: the target recites those from memory, which measures lookup);
 - ``copy``: a held-out passage, a blank line, then the passage's opening again, so
   the continuation repeats the context (the RAG / summarisation case);
 - ``long``: held-out code and prose documents long enough to fill the target's context
@@ -32,6 +33,7 @@ import hashlib
 import json
 import re
 from collections import Counter
+from itertools import zip_longest
 from pathlib import Path
 
 from draftsmith.proposers.core.errors import InputError
@@ -46,6 +48,7 @@ MIN_PROMPT_TOKENS = 16
 LONG_MIN_POSITIONS = 512  # targets with fewer positions get no long domain
 CHARS_PER_LONG_TOKEN = 6  # characters kept per long-prompt token (the demo tokenizer averages about 3.5)
 SUFFIX = {"type": "suffix"}
+LICENCE_TEXT = re.compile(r"(^|/)(copyright|copying|licen[cs]e)([._][^/]*)?$", re.IGNORECASE)
 DEMO_PROPOSERS = {
     "ngram": {"type": "ngram"},
     "ngram_tree": {"type": "ngram", "min_n": 1, "branches": 4, "max_nodes": 16},
@@ -66,9 +69,23 @@ def _window(text: str, chars: int, salt: str) -> str:
     return out if out.strip() else text[:chars]
 
 
+def varied_prose(documents: list) -> list:
+    """The prose documents without licence texts, their kinds (man pages, package READMEs, pydoc topics) taken in turn.
+
+    Licence and copyright files are boilerplate the target recites from memory (a prose row
+    of them measured lookup, not prose), so no domain reads them.
+    """
+    kinds: dict[str, list] = {}
+    for doc in documents:
+        if not LICENCE_TEXT.search(doc.path):
+            kinds.setdefault(doc.path.split("/")[0], []).append(doc)
+    return [doc for group in zip_longest(*kinds.values()) for doc in group if doc is not None]
+
+
 def build_domains(docs: dict[str, list], out_dir: Path, num_prompts: int, prompt_chars: int, long_chars: int = 0) -> dict[str, str]:
     """Write code / prose / copy (and, with ``long_chars``, long) JSONL files of prompts; return ``{domain: path}``."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    docs = {**docs, "prose": varied_prose(docs["prose"])}
     rows: dict[str, list[dict]] = {"code": [], "prose": [], "copy": []}
     if long_chars:
         long_docs = [d for pair in zip(docs["code"], docs["prose"], strict=False) for d in pair if len(d.text) >= long_chars]

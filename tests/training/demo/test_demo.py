@@ -27,6 +27,18 @@ def test_domains_are_built_from_the_documents_given(tmp_path):
     assert [r["domain"] for r in rows["mixed"]] == ["mixed/code", "mixed/prose", "mixed/repeat"] * 2
 
 
+def test_prose_has_no_licence_texts_and_takes_its_kinds_in_turn(tmp_path):
+    text = "".join(f"line {j} of a text that is long enough\n" for j in range(40))
+    prose = [Document(p, "prose", text) for p in ("doc/a/copyright", "doc/a/README", "doc/b/LICENSE.txt", "doc/c/README.md")]
+    prose += [Document(f"man/man1/t{i}.1.gz", "prose", text) for i in range(3)] + [Document("pydoc/topic", "prose", text)]
+    docs = {"code": [Document("stdlib/m.py", "code", text)], "prose": prose}
+    paths = build_domains(docs, tmp_path, num_prompts=8, prompt_chars=200)
+    sources = [json.loads(line)["source"] for line in open(paths["prose"])]
+    assert sources == ["doc/a/README", "man/man1/t0.1.gz", "pydoc/topic", "doc/c/README.md", "man/man1/t1.1.gz", "man/man1/t2.1.gz"]
+    every = {json.loads(line)["source"] for path in paths.values() for line in open(path)}
+    assert not {"doc/a/copyright", "doc/b/LICENSE.txt"} & every  # no domain reads them
+
+
 def test_quick_demo_end_to_end(tmp_path, monkeypatch):
     """Trains the quick target (cached under .cache/ after the first run) and evaluates it."""
     summary = run_demo(quick=True, output_dir=str(tmp_path / "demo"), num_prompts=2, max_new_tokens=16)
