@@ -11,6 +11,10 @@ sub-domain ``name/part``: a domain that interleaves several kinds of request (``
 keeps its order and still gets a row per kind. A file may hold several domains: the rows
 of other domains are left to the config keys that name them, and counted in the one-line
 error when none of the file's rows is of this domain.
+
+A question file (Spec-Bench / MT-bench / EAGLE rows ``{"question_id", "category", "turns"}``)
+is a domain file too, read whole and run turn by turn (``questions.py``); a file holds one
+kind of row.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,6 +50,7 @@ class Prompt:
 
 MAX_CHARS_PER_TOKEN = 64  # text kept per prompt token before tokenizing: bounds what one huge row may cost
 SPLITS = ("file", "paragraph")  # how a text file becomes prompts
+TEMPLATE_HINT = "give one with the eval config's 'chat_template' (a jinja file, or 'plain' for 'User: ... Assistant:' text)"
 
 
 def load_domain(
@@ -115,6 +121,33 @@ def _read_jsonl(name: str, path: Path, tokenizer, others: Counter) -> Iterator[t
     Rows of other domains are counted in ``others``.
     """
     where = f"domain {name!r}: {path}"
+    prompt_rows = 0
+    for lineno, row in json_rows(path, where):
+        if is_question_row(row):
+            raise InputError(
+                f"{where}:{lineno} is a question row ('turns') after {prompt_rows} prompt / messages row(s): a file holds one kind"
+                if prompt_rows
+                else f"{where}:{lineno} is a question row ('turns'): question files run turn by turn in draftsmith eval"
+            )
+        prompt_rows += 1
+        if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
+            raise InputError(f"{where}:{lineno} must be an object with exactly one of 'prompt' or 'messages'")
+        domain = row.get("domain", name)
+        if not isinstance(domain, str):
+            raise InputError(f"{where}:{lineno} 'domain' must be a string")
+        if domain != name and not domain.startswith(name + "/"):
+            others[domain] += 1  # a shared file may hold several domains
+            continue
+        if "prompt" in row:
+            if not isinstance(row["prompt"], str):
+                raise InputError(f"{where}:{lineno} 'prompt' must be a string")
+            yield f"{path.name}:{lineno}", row["prompt"], False, domain
+        else:
+            yield f"{path.name}:{lineno}", render_chat(row["messages"], tokenizer, f"{where}:{lineno}"), True, domain
+
+
+def json_rows(path: Path, where: str) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) of each non-blank line of a JSONL file, lazily; a bad line is one InputError at ``where:line``."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             if b"\x00" in raw:
@@ -129,26 +162,18 @@ def _read_jsonl(name: str, path: Path, tokenizer, others: Counter) -> Iterator[t
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise InputError(f"{where}:{lineno} is not valid JSON ({err.msg})") from None
-            if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
-                raise InputError(f"{where}:{lineno} must be an object with exactly one of 'prompt' or 'messages'")
-            domain = row.get("domain", name)
-            if not isinstance(domain, str):
-                raise InputError(f"{where}:{lineno} 'domain' must be a string")
-            if domain != name and not domain.startswith(name + "/"):
-                others[domain] += 1  # a shared file may hold several domains
-                continue
-            if "prompt" in row:
-                if not isinstance(row["prompt"], str):
-                    raise InputError(f"{where}:{lineno} 'prompt' must be a string")
-                yield f"{path.name}:{lineno}", row["prompt"], False, domain
-            else:
-                yield f"{path.name}:{lineno}", _render_chat(row["messages"], tokenizer, f"{where}:{lineno}"), True, domain
+            yield lineno, row
 
 
-def _render_chat(messages, tokenizer, where: str) -> str:
+def is_question_row(row) -> bool:
+    """A row of a question file (Spec-Bench, MT-bench, EAGLE: ``turns``, ``question_id``), not a prompt / messages row."""
+    return isinstance(row, dict) and "prompt" not in row and "messages" not in row and ("turns" in row or "question_id" in row)
+
+
+def render_chat(messages, tokenizer, where: str) -> str:
     """A conversation rendered with the tokenizer's chat template, opening the assistant's turn."""
     if getattr(tokenizer, "chat_template", None) is None:
-        raise InputError(f"{where} has 'messages' but the tokenizer has no chat template")
+        raise InputError(f"{where} has 'messages' but the tokenizer has no chat template; {TEMPLATE_HINT}")
     valid = isinstance(messages, list) and messages
     valid = valid and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
     if not valid:
@@ -156,7 +181,8 @@ def _render_chat(messages, tokenizer, where: str) -> str:
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as err:  # the template's own checks (an unknown role, ...) raise from inside jinja
-        raise InputError(f"{where}: the chat template refused the messages ({str(err).splitlines()[0]})") from None
+        why = (str(err).splitlines() or [type(err).__name__])[0]  # an exception may have an empty message
+        raise InputError(f"{where}: the chat template refused the messages ({why})") from None
 
 
 def _read_text(name: str, path: Path, budget: int, split: str) -> Iterator[tuple[str, str, bool, str]]:

@@ -5,7 +5,8 @@ decoding and the transformers peer each proposer declares (``Proposer.transforme
 assisted generation, prompt lookup) on the same prompts, interleaved prompt by prompt (the
 order turned by one each prompt) so machine-load drift and what ran just before hit all
 alike, and writes per-prompt JSONL, a summary JSON, a
-Markdown table and PNG plots.
+Markdown table and PNG plots. Question files (Spec-Bench, MT-bench) run turn by turn and
+also get Spec-Bench's answer files (``questions.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,16 @@ from ..decoder import SpeculativeDecoder
 from ..stats import DecodeStats
 from ..target import load_target
 from .domains import Prompt, load_domain
+from .questions import (
+    Question,
+    is_question_file,
+    load_questions,
+    question_rows,
+    question_speed,
+    run_turns,
+    use_chat_template,
+    write_answers,
+)
 from .report import markdown_table, plot_acceptance, plot_domains
 
 PLAIN = "plain"
@@ -97,6 +108,8 @@ class EvalConfig:
             (``SpeculativeDecoder(compile_forward=True)``; a draft model compiles its own
             with ``compile: true`` in its proposer config). The first requests of each
             method pay the compilation.
+        chat_template: the chat template for question files and ``messages`` rows: None, the
+            tokenizer's own; ``plain``, plain ``User: ... Assistant:`` text; else a jinja file's path.
     """
 
     target: str
@@ -115,6 +128,7 @@ class EvalConfig:
     adaptive: bool = True
     fixed_rows: list[str] = field(default_factory=list)
     compile: bool = False
+    chat_template: str | None = None
 
     def __post_init__(self):
         if not self.domains:
@@ -130,6 +144,8 @@ class EvalConfig:
         unknown = [name for name in self.fixed_rows if name not in self.proposers]
         if unknown:
             raise InputError(f"fixed_rows {unknown} are not proposer rows of this config ({sorted(self.proposers)})")
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise InputError("chat_template must be a jinja file's path, 'plain' or null, got ''")
 
     @staticmethod
     def from_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> EvalConfig:
@@ -146,7 +162,8 @@ class Record:
     """One prompt decoded by one method (Spec-Bench-like fields).
 
     ``accept_lengths`` holds each step's emitted accepted draft tokens; it, ``ttft`` and the
-    fields after ``speedup`` come from our own decoder (empty or None for transformers peers).
+    fields from ``speedup`` to ``verify_time`` come from our own decoder (empty or None for
+    transformers peers). A turn of a question file (``questions.py``) has the rest.
     """
 
     domain: str
@@ -167,17 +184,23 @@ class Record:
     truncated_steps: int | None = None
     draft_time: float | None = None
     verify_time: float | None = None
+    question_id: int | str | None = None
+    turn: int | None = None
+    category: str | None = None
+    reference: Any = None
+    answer: str | None = None
 
 
 def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
     """Run the evaluation and write its files; return the summary."""
     check_writable(config.output_dir, "output_dir")  # before anything is decoded
     model, tokenizer = load_target(config.target)
+    use_chat_template(tokenizer, config.chat_template)
     torch.set_num_threads(decode_threads(model, config.threads))  # transformers' peers too: every method alike
-    prompts = load_prompts(config, model, tokenizer)
+    prompts = load_prompts(config, model, tokenizer, questions=True)  # every question row checked before any decoding
     methods, proposers = build_methods(config, model, tokenizer)
     for run in methods.values():  # warm-up, untimed: the first call of each path pays one-off costs
-        run(prompts[0], 0)
+        run_turns(run, prompts[0], 0, tokenizer)
     for proposer in proposers:  # what a proposer learns across requests starts from the evaluated ones
         proposer.reset()
     records, stats = [], {}
@@ -186,16 +209,16 @@ def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
     for index, prompt in enumerate(prompts):
         done = {}
         for name in rotated(names, index):  # no method always runs first (or right after the same one)
-            done[name] = methods[name](prompt, index)
+            done[name] = run_turns(methods[name], prompt, index, tokenizer)  # a question: every turn, on this method's answers
             bar.update()
-        plain_tokens, plain_record, _ = done[PLAIN]
-        for name in names:  # the records in row order
-            tokens, record, decode_stats = done[name]
-            record.identical_to_plain = tokens == plain_tokens if config.temperature == 0 else None
-            record.speedup = record.tokens_per_s / plain_record.tokens_per_s
-            records.append(record)
-            if decode_stats is not None:
-                stats.setdefault((prompt.domain, name), []).append(decode_stats)
+        for turn, (plain_tokens, plain_record, _) in enumerate(done[PLAIN]):
+            for name in names:  # the records in row order
+                tokens, record, decode_stats = done[name][turn]
+                record.identical_to_plain = tokens == plain_tokens if config.temperature == 0 else None
+                record.speedup = record.tokens_per_s / plain_record.tokens_per_s
+                records.append(record)
+                if decode_stats is not None:
+                    stats.setdefault((record.domain, name), []).append(decode_stats)
     bar.close()
     summary = summarise(config, records, stats)
     write_outputs(config, records, summary)
@@ -213,8 +236,11 @@ def rotated(names: list[str], index: int) -> list[str]:
     return names[shift:] + names[:shift]
 
 
-def load_prompts(config, model, tokenizer) -> list[Prompt]:
-    """Every domain's prompts, in domain order, for a config with ``domains``, ``num_prompts``, ``prompt_tokens``, ``max_new_tokens``."""
+def load_prompts(config, model, tokenizer, questions: bool = False) -> list[Prompt | Question]:
+    """Every domain's prompts, in domain order, for a config with ``domains``, ``num_prompts``, ``prompt_tokens``, ``max_new_tokens``.
+
+    A question file gives its questions where ``questions`` (``evaluate`` runs them turn by turn), else an error.
+    """
     max_positions = context_limit(model)
     prompts = []
     for name, domain in config.domains.items():
@@ -226,7 +252,13 @@ def load_prompts(config, model, tokenizer) -> list[Prompt]:
                 f"domain {name!r}: prompt_tokens={prompt_tokens} + max_new_tokens={config.max_new_tokens} exceeds the target's "
                 f"context of {max_positions} positions; lower one of them"
             )
-        prompts += load_domain(name, path, tokenizer, domain.num_prompts or config.num_prompts, prompt_tokens, max_positions, domain.split)
+        count = domain.num_prompts or config.num_prompts
+        if not is_question_file(path):
+            prompts += load_domain(name, path, tokenizer, count, prompt_tokens, max_positions, domain.split)
+        elif questions:
+            prompts += load_questions(name, path, tokenizer, count, prompt_tokens)
+        else:
+            raise InputError(f"domain {name!r}: {path} is a question file (multi-turn), which only draftsmith eval runs")
     return prompts
 
 
@@ -346,13 +378,14 @@ def summarise(config: EvalConfig, records: list[Record], stats: dict) -> dict[st
         merged = merge_stats(stats.get((domain, method), []))
         ttfts = [r.ttft for r in group if r.ttft is not None]
         identical = [r.identical_to_plain for r in group if r.identical_to_plain is not None]
-        mean_speed = statistics.mean(r.tokens_per_s for r in group)
-        plain_mean_speed = statistics.mean(r.tokens_per_s for r in groups[(domain, PLAIN)])
+        mean_speed = question_speed(group)  # a prompt is a question of one turn
+        plain_mean_speed = question_speed(groups[(domain, PLAIN)])
         rows.append(
             {
                 "domain": domain,
                 "method": method,
                 "prompts": len(group),
+                "questions": len({r.prompt_index for r in group}),
                 "tau": sum(r.new_tokens for r in group) / max(sum(r.target_forwards for r in group), 1),
                 "tau_from_rates": merged.tau_from_rates if merged else None,
                 "tau_iid": merged.tau_iid if merged else None,
@@ -361,7 +394,7 @@ def summarise(config: EvalConfig, records: list[Record], stats: dict) -> dict[st
                 "tokens_per_s": statistics.median(r.tokens_per_s for r in group),
                 "tokens_per_s_mean": mean_speed,
                 "speedup": statistics.median(r.speedup for r in group),
-                # Spec-Bench (evaluation/speed.py): the method's mean tok/s over the prompts / plain decoding's
+                # Spec-Bench (evaluation/speed.py): the mean over questions of tokens / wall time over its turns, / plain's
                 "speedup_spec_bench": mean_speed / plain_mean_speed,
                 "ttft_ms": 1000 * statistics.median(ttfts) if ttfts else None,
                 # what the controller chose: the mean of the draft nodes verified per step, and the share of plain steps it planned
@@ -371,7 +404,8 @@ def summarise(config: EvalConfig, records: list[Record], stats: dict) -> dict[st
                 "identical": f"{sum(identical)}/{len(identical)}" if identical else None,
             }
         )
-    return {"config": asdict(config), "rows": rows}
+    questions = question_rows(records, PLAIN)
+    return {"config": asdict(config), "rows": rows, **({"questions": questions} if questions else {})}
 
 
 def merge_stats(all_stats: list[DecodeStats]) -> DecodeStats | None:
@@ -395,5 +429,6 @@ def write_outputs(config: EvalConfig, records: list[Record], summary: dict[str, 
     paths["table"].write_text(markdown_table(summary["rows"]))
     plot_domains(summary["rows"], paths["domains_plot"])
     plot_acceptance(summary["rows"], paths["acceptance_plot"])
-    summary["paths"] = {k: str(v) for k, v in paths.items()}
+    answers = write_answers(out / "model_answer", records, Path(config.target).name)  # Spec-Bench's layout, for question files
+    summary["paths"] = {k: str(v) for k, v in paths.items()} | ({"answers": [str(p) for p in answers]} if answers else {})
     return paths
