@@ -20,7 +20,10 @@ Domains (one JSONL file each, ``{"prompt", "domain", "source"}``):
   that comes back to it); the passage with its most frequent word renamed (an agent
   rewriting the same file with a small change);
 - ``mixed``: code, prose and repeat requests interleaved (sub-domains ``mixed/code``,
-  ``mixed/prose``, ``mixed/repeat``; twice the prompts of a domain).
+  ``mixed/prose``, ``mixed/repeat``; twice the prompts of a domain);
+- ``chat``: a question file (Spec-Bench's shape: ``question_id``, ``category``, ``turns``),
+  categories ``chat/code`` and ``chat/prose``, half of the questions two turns long, the
+  second turn rendered after the model's own first answer with the target's chat template.
 
 Each domain reads its own held-out documents (offsets ``num_prompts`` apart, when the
 split holds enough), so that a proposer that learns across requests (``suffix``) does not
@@ -83,7 +86,7 @@ def varied_prose(documents: list) -> list:
 
 
 def build_domains(docs: dict[str, list], out_dir: Path, num_prompts: int, prompt_chars: int, long_chars: int = 0) -> dict[str, str]:
-    """Write code / prose / copy (and, with ``long_chars``, long) JSONL files of prompts; return ``{domain: path}``."""
+    """Write the demo's domain files (code, prose, copy, repeat, mixed, chat and, with ``long_chars``, long); return ``{domain: path}``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     docs = {**docs, "prose": varied_prose(docs["prose"])}
     rows: dict[str, list[dict]] = {"code": [], "prose": [], "copy": []}
@@ -100,6 +103,7 @@ def build_domains(docs: dict[str, list], out_dir: Path, num_prompts: int, prompt
         rows["copy"].append({"prompt": f"{passage}\n\n{opening}", "domain": "copy", "source": doc.path})
     rows["repeat"] = _repeat_rows(docs, num_prompts, prompt_chars, "repeat", offset=num_prompts)[:num_prompts]
     rows["mixed"] = _mixed_rows(docs, num_prompts, prompt_chars)
+    rows["chat"] = _chat_rows(docs, num_prompts, prompt_chars)
     paths = {}
     for domain, items in rows.items():
         if not items:
@@ -141,6 +145,22 @@ def _edited(text: str) -> str:
         return text + "\n"
     word = words.most_common(1)[0][0]
     return re.sub(rf"\b{word}\b", f"{word}_new", text)
+
+
+def _chat_rows(docs: dict[str, list], num_prompts: int, prompt_chars: int) -> list[dict]:
+    """``num_prompts`` questions in the question-file shape (Spec-Bench, MT-bench): categories ``code`` and ``prose`` in
+    turn, every other pair of them two turns long (the second asks about another passage, after the model's own answer)."""
+    offset = 4 * num_prompts  # past what the other domains read, where the split holds that much
+    sources = {kind: _unread(docs[kind], offset) for kind in ("code", "prose")}
+    rows = []
+    for i in range(num_prompts):
+        kind = ("code", "prose")[i % 2]
+        first, second = sources[kind][(i // 2) % len(sources[kind])], sources[kind][(i // 2 + 1) % len(sources[kind])]
+        turns = [f"Continue this text:\n\n{_window(first.text, prompt_chars // 2, 'chat:' + first.path).rstrip()}"]
+        if i % 4 < 2:
+            turns.append(f"Now continue this one:\n\n{_window(second.text, prompt_chars // 2, 'chat2:' + second.path).rstrip()}")
+        rows.append({"question_id": i, "category": kind, "turns": turns, "source": first.path})
+    return rows
 
 
 def _mixed_rows(docs: dict[str, list], num_prompts: int, prompt_chars: int) -> list[dict]:

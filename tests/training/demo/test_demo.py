@@ -25,6 +25,8 @@ def test_domains_are_built_from_the_documents_given(tmp_path):
     assert back["prompt"].endswith("\n\n" + first["prompt"]) and edited["prompt"] != first["prompt"]
     assert edited["prompt"].replace("_new", "") == first["prompt"]
     assert [r["domain"] for r in rows["mixed"]] == ["mixed/code", "mixed/prose", "mixed/repeat"] * 2
+    # chat: a question file, categories in turn, every other pair of questions two turns long
+    assert [(r["question_id"], r["category"], len(r["turns"])) for r in rows["chat"]] == [(0, "code", 2), (1, "prose", 2), (2, "code", 1)]
 
 
 def test_prose_has_no_licence_texts_and_takes_its_kinds_in_turn(tmp_path):
@@ -48,6 +50,8 @@ def test_quick_demo_end_to_end(tmp_path, monkeypatch):
             row = rows[(domain, method)]
             assert row["identical"] == "2/2", (domain, method)
             assert row["tau"] >= 1.0
+    for domain in ("chat/code", "chat/prose"):  # the multi-turn domain, every turn of plain and ngram alike
+        assert rows[(domain, "ngram")]["identical"] == rows[(domain, "plain")]["identical"] == "2/2", domain
     for name in ("table.md", "tau_speedup.png", "acceptance_by_depth.png", "records.jsonl", "summary.json"):
         assert (tmp_path / "demo" / name).stat().st_size > 0
     # the domains were written from the held-out split of the target's corpus
