@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from draftsmith.proposers import REGISTRY, load_proposer, mtp_head
 from draftsmith.proposers.core.config import resolve_type
 from draftsmith.proposers.core.errors import InputError
+from draftsmith.proposers.dflash_head import dflash_config_for_target, dflash_for_target
 from draftsmith.proposers.eagle_head import config_for_target, draft_for_target
 from draftsmith.proposers.medusa_head import MedusaHeads, write_calibration
 from draftsmith.verify import SpeculativeDecoder
@@ -39,10 +40,18 @@ def setup(make_llama, tmp_path_factory):
     draft_for_target(config_for_target(target, 1), target).save(eagle_dir)
     mtp_dir = tmp_path_factory.mktemp("mtp")
     mtp_head.modules_for_target(mtp_head.config_for_target(target, 2), target).save(mtp_dir)
+    dflash_dir = tmp_path_factory.mktemp("dflash")
+    dflash_for_target(dflash_config_for_target(target, block_size=4, num_layers=1), target).save(dflash_dir)
     plain = SpeculativeDecoder(target).generate(PROMPT, max_new_tokens=8).new_tokens
     required = {
         kind: {"model": str(path)}
-        for kind, path in (("draft_model", draft_dir), ("medusa", heads_dir), ("eagle", eagle_dir), ("mtp", mtp_dir))
+        for kind, path in (
+            ("draft_model", draft_dir),
+            ("medusa", heads_dir),
+            ("eagle", eagle_dir),
+            ("mtp", mtp_dir),
+            ("dflash", dflash_dir),
+        )
     }
     required["composite"] = {"proposers": [{"type": "suffix"}, {"type": "draft_model", "model": str(draft_dir), "k": 2}]}
     return target, required, plain
