@@ -9,8 +9,10 @@ count is split by where it happened: the proposer's ``propose`` (draft), its ``o
 counts (its prefill, first token and ``begin``) are measured apart, by a request of one
 token, and left out of the per-step figures. Uploads (host data copied to the device) are
 counted per step too. The configs draft their fixed shape every step (``adaptive=False``),
-so a count is the proposer's whole draft. Any tensor a step puts on the wrong device is
-listed (a violation) and fails the run.
+so a count is the proposer's whole draft. The code runs the forms it runs on a GPU
+(``proposers.core.devices.FREE_READS`` emptied: on a CPU, where reads are free, some steps
+read values one by one instead). Any tensor a step puts on the wrong device is listed (a
+violation) and fails the run.
 
     python -m benchmarks.bench_syncs [--target recipes/models/demo_target] [--new-tokens 48] [--json FILE] [--sites NAME]
 
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+import draftsmith.proposers.core.devices as devices
 from benchmarks.device_mode import StandInDevice
 from draftsmith.proposers import load_proposer
 from draftsmith.verify import SpeculativeDecoder, load_target
@@ -92,6 +95,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    devices.FREE_READS = set()  # the forms a GPU runs (one read for many values), not the CPU's (a read per value, free there)
     target, tokenizer = load_target(args.target)
     configs = [None, *sorted(CONFIGS.glob("*.yaml"))] if not args.configs else [None if c == "plain" else Path(c) for c in args.configs]
     rows, failed = [], False

@@ -126,6 +126,8 @@ class StandInDevice(TorchFunctionMode):
             target = STAND_IN if self.on_device(other) else torch.device("cpu")
         result = func(*args, **kwargs)
         on_device = self._result_on_device(name, args, device_inputs, target)
+        if not on_device and device_inputs and any(result is t for t in device_inputs):
+            result = result.clone()  # .cpu() of a CPU tensor is the tensor itself: the host's copy must be another
         self._check(name, inputs, device_inputs, kwargs, on_device)
         self._count(name, args, device_inputs, target, on_device)
         if on_device:

@@ -28,6 +28,7 @@ from torch import nn
 
 from .core.block import position_draft
 from .core.cache import CACHE_HEADROOM, PreallocatedLayer
+from .core.devices import check_shared_device
 from .core.engine import EngineExport, ExportControl, check_format, incomplete_copy, write_export, write_spec
 from .core.errors import InputError, check_integer
 from .core.features import FeatureQueue
@@ -82,6 +83,7 @@ class DFlashProposer(ProposerBase):
         self.hidden_layers = tuple(model.cfg.aux_layers)
         self.k, self.tree_width, self.max_nodes, self.sample = k, tree_width, max_nodes, sample
         self.device = model.fc.weight.device
+        check_shared_device("DFlash drafter", self.device, model.shared)
         self.caches: list[PreallocatedLayer] = []
         self._features = FeatureQueue(self.hidden_layers, "DFlash")  # the positions not yet in the context caches
         self._fed = 0  # context positions in the caches
@@ -110,20 +112,20 @@ class DFlashProposer(ProposerBase):
             return Draft.empty()
         anchor = len(context.tokens) - 1
         hidden = self.draft.block_inputs(torch.tensor([[context.tokens[-1]]], device=self.device))  # [1, block, hidden]
-        cos, sin = self.draft.rotary(torch.arange(anchor, anchor + self.cfg.block_size, device=self.device))
+        cos, sin = self.draft.rotary(range(anchor, anchor + self.cfg.block_size))
         for layer, cache in zip(self.draft.layers, self.caches, strict=True):
             hidden = layer(hidden, cos, sin, cache, None)
             cache.truncate(self._fed)  # the block's own keys go
-        logits = self.draft.logits(hidden[0, 1 : 1 + depth]).float().cpu()  # [depth, vocab]
+        logits = self.draft.logits(hidden[0, 1 : 1 + depth]).float()  # [depth, vocab], on the drafter's device
         return position_draft(logits, context, self.tree_width, self.max_nodes, self.sample)
 
     def _catch_up(self, positions: int) -> None:
         """Feed the queued features into every layer's context cache: it then holds ``positions`` positions (all before the anchor)."""
-        features = self._features.pop()  # [rows, n_aux * hidden]
+        features = self._features.pop(self.device)  # [rows, n_aux * hidden]
         start, rows = self._fed, features.shape[0]
         assert start + rows == positions, f"{rows} new features after {start} positions for an anchor at {positions}"
-        rows_context = self.draft.context(features.to(self.device))[None]  # [1, rows, hidden]
-        cos, sin = self.draft.rotary(torch.arange(start, positions, device=self.device))
+        rows_context = self.draft.context(features)[None]  # [1, rows, hidden]
+        cos, sin = self.draft.rotary(range(start, positions))
         for layer, cache in zip(self.draft.layers, self.caches, strict=True):
             cache.update(*layer.context_kv(rows_context, cos, sin))
         self._fed = positions

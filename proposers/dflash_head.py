@@ -185,13 +185,14 @@ class DFlashDraft(nn.Module):
         masks = self.mask_embedding.expand(batch, n, self.cfg.block_size - 1, -1)
         return torch.cat([first, masks], dim=2).reshape(batch, n * self.cfg.block_size, -1)
 
-    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos / sin ``[m, head_dim]`` of ``positions`` ``[m]``."""
+    def rotary(self, positions: torch.Tensor | range | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin ``[m, head_dim]`` of ``positions`` ``[m]`` (``RotaryTable``: a range or list saves a read)."""
         return self._rotary(positions, self.fc.weight.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[..., vocab]`` of layer outputs: the final norm, then the target's LM head."""
-        return F.linear(self.norm(hidden), self.shared["lm_head"].to(hidden.dtype))
+        head = self.shared["lm_head"]  # the target's, in its dtype: a half-precision head is not copied to fp32 per call
+        return F.linear(self.norm(hidden).to(head.dtype), head)
 
     # -- saving ----------------------------------------------------------------------------
 

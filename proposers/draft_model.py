@@ -201,7 +201,7 @@ class DraftModelProposer(ProposerBase):
                 sampled=not context.sampling.greedy,
                 max_nodes=self.max_nodes,
                 confidence_threshold=self.confidence_threshold,
-                generator=context.generator,
+                generator=context.generator_for(self.device),
                 min_path_prob=self.min_path_prob,
             )
         except BaseException:
@@ -270,7 +270,7 @@ class DraftModelProposer(ProposerBase):
         else:
             logits = self.model(input_ids, cache=self.cache, use_cache=True, logits_to_keep=last).logits[0]
         self.cached_tokens.extend(tokens)
-        return logits.float().cpu()  # the request's generator lives on the CPU
+        return logits.float()  # on the draft's device: the tree builder reads only each row's top tokens
 
     def _crop(self, length: int) -> None:
         """Keep the first ``length`` cached positions and their tokens."""
@@ -296,14 +296,14 @@ class DraftModelProposer(ProposerBase):
         device = self.device
         input_ids = torch.tensor([[tree.tokens[n] for n in nodes]], device=device)
         committed = len(self.cached_tokens)  # the cache holds them, then the tree nodes fed so far
-        mask = incremental_tree_mask(tree.parents, self._fed, nodes, committed, self.model.dtype).to(device)
+        mask = incremental_tree_mask(tree.parents, self._fed, nodes, committed, self.model.dtype, device)
         position_ids = torch.tensor([[committed - 1 + tree.depths[n] for n in nodes]], device=device)
         self._fed += nodes
         if self.forward is not None:
             logits = self.forward(input_ids, self.cache, position_ids, mask)
         else:
             logits = self.model(input_ids, cache=self.cache, use_cache=True, attention_mask=mask, position_ids=position_ids).logits[0]
-        return logits.float().cpu()
+        return logits.float()
 
 
 # -- construction checks -------------------------------------------------------------

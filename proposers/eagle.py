@@ -42,10 +42,12 @@ from torch import nn
 
 from .core.block import position_draft
 from .core.cache import CACHE_HEADROOM, PreallocatedLayer
+from .core.devices import check_shared_device, host_lists, reads_are_free
 from .core.engine import EngineExport, ExportControl, check_format, incomplete_copy, write_export, write_spec
 from .core.errors import InputError, check_integer, check_probability
 from .core.features import FeatureQueue
 from .core.proposer import ProposerBase
+from .core.sampling import draw_rows, logits_to_probs
 from .core.tree import DraftTree, grow_dynamic_tree, incremental_tree_mask
 from .core.types import Draft, ProposeContext, TargetFeatures, VerifyResult
 from .eagle_head import EagleDraft, check_head_fits, checkpoint_config, load_draft
@@ -118,6 +120,7 @@ class EagleProposer(ProposerBase):
         self.k, self.tree_width, self.max_nodes, self.sample = k, tree_width, max_nodes, sample
         self.confidence_threshold, self.min_path_prob = confidence_threshold, min_path_prob
         self.device = model.fc.weight.device
+        check_shared_device("EAGLE head", self.device, model.shared)
         ids = model.draft_to_target() if model.cfg.version == 3 else None
         # draft logits need a scatter onto target ids only where the draft vocabulary is not the target's in order
         self._draft_ids = None if ids is None or torch.equal(ids, torch.arange(self.vocab_size, device=ids.device)) else ids
@@ -221,16 +224,18 @@ class EagleProposer(ProposerBase):
         if depth < 1:
             return Draft.empty()
         committed = self.cache.length  # entries up to the one before the root
+        if width == 1 and self.confidence_threshold is None and self.min_path_prob is None and not reads_are_free(self.device):
+            return self._chain_on_device(root_hidden, root_logits, depth, committed, context)
         outputs: dict[int, torch.Tensor] = {-1: root_hidden}
         fed: list[int] = []
 
         def score(tree: DraftTree, nodes: list[int]) -> torch.Tensor:
             tokens = torch.tensor([[tree.tokens[n] for n in nodes]], device=self.device)
             hidden = torch.stack([outputs[tree.parents[n]] for n in nodes])[None]
-            positions = torch.tensor([committed - 1 + tree.depths[n] for n in nodes], device=self.device)
+            positions = [committed - 1 + tree.depths[n] for n in nodes]
             mask = None
             if width > 1:
-                mask = incremental_tree_mask(tree.parents, fed, nodes, committed, hidden.dtype).to(self.device)
+                mask = incremental_tree_mask(tree.parents, fed, nodes, committed, hidden.dtype, self.device)
             out = self.draft.step(tokens, hidden, positions, self.cache, mask)[0]  # [len(nodes), hidden]
             fed.extend(nodes)
             outputs.update(zip(nodes, out, strict=True))
@@ -245,34 +250,56 @@ class EagleProposer(ProposerBase):
             sampled=self.sample and not context.sampling.greedy,
             max_nodes=self.max_nodes,
             confidence_threshold=self.confidence_threshold,
-            generator=context.generator,
+            generator=context.generator_for(self.device),
             min_path_prob=self.min_path_prob,
         )
         return grown.draft
+
+    def _chain_on_device(self, hidden: torch.Tensor, logits: torch.Tensor, depth: int, committed: int, context: ProposeContext) -> Draft:
+        """The chain ``grow_dynamic_tree`` grows at width 1 (each depth's top token, or a draw), kept on the head's device
+        and read by the host once: a chain of fixed depth has no decision to take between its depths."""
+        sampled = self.sample and not context.sampling.greedy
+        tokens, scores, rows = [], [], []
+        for d in range(1, depth + 1):
+            if sampled:
+                probs = logits_to_probs(logits, context.sampling, check=False)
+                token = draw_rows(probs[None], context.generator_for(self.device))  # [1]
+                score = probs[token]
+                rows.append(probs)
+            else:
+                score, token = logits.softmax(-1).max(-1, keepdim=True)  # the raw softmax's confidence, as the tree builder's
+            tokens.append(token)
+            scores.append(score)
+            if d < depth:  # the node's entry, after its parent's: the next depth's logits
+                hidden = self.draft.step(token[None], hidden[None, None], [committed - 1 + d], self.cache, None)[0, 0]
+                logits = self._target_logits(hidden[None])[0]
+        tokens, scores = host_lists(torch.cat(tokens), torch.cat(scores))  # one read
+        return Draft.chain(tokens, torch.stack(rows) if rows else None, scores=scores)
 
     def _catch_up(self, tokens: list[int], masks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed every position whose feature is known (the last is the one before the root), then ``masks`` mask entries
         (a parallel head's depths 2 ..), which leave the cache again; return the outputs ``[1 + masks, hidden]`` from the
         last fed position on, and their logits."""
-        features = self._features.pop()  # [rows, feature width]: the aux layers side by side (EAGLE-3)
+        features = self._features.pop(self.device)  # [rows, feature width]: the aux layers side by side (EAGLE-3)
         start, rows = self._fed, features.shape[0]
         assert start + rows == len(tokens) - 1, f"{rows} new features after {start} entries for {len(tokens)} tokens"
         ids = torch.tensor([tokens[start + 1 : start + 1 + rows]], device=self.device)
-        hidden = self.draft.fuse(features.to(self.device))[None]  # [1, rows, hidden]
+        hidden = self.draft.fuse(features)[None]  # [1, rows, hidden]
         if masks:
             mask_ids, mask_hidden = self.draft.mask_inputs(masks)
             ids, hidden = torch.cat([ids, mask_ids], dim=1), torch.cat([hidden, mask_hidden], dim=1)
-        positions = torch.arange(start, start + rows + masks, device=self.device)
+        positions = range(start, start + rows + masks)
         out = self.draft.step(ids, hidden, positions, self.cache, None)[0, rows - 1 :]
         self._fed = start + rows
         self.cache.truncate(self._fed)
         return out, self._target_logits(out)
 
     def _target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits over target ids ``[rows, vocab]`` (-inf outside a reduced draft vocabulary), float on the CPU."""
+        """Draft logits over target ids ``[rows, vocab]`` (-inf outside a reduced draft vocabulary), float, on the head's device
+        (the tree builder reads only each row's top tokens from it)."""
         logits = self.draft.logits(hidden).float()
         if self._draft_ids is None:
-            return logits.cpu()
+            return logits
         full = torch.full((logits.shape[0], self.vocab_size), float("-inf"), device=logits.device)
         full[:, self._draft_ids] = logits
-        return full.cpu()
+        return full

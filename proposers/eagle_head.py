@@ -207,16 +207,21 @@ class EagleDraft(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[..., draft_vocab]`` of layer outputs (EAGLE-1: the target's LM head on them directly)."""
-        if self.cfg.version == 1:
-            return F.linear(hidden, self.shared["lm_head"])
+        if self.cfg.version == 1:  # the target's head, in the target's dtype (a bf16 / fp16 target's is not copied to fp32 per step)
+            return F.linear(hidden.to(self.shared["lm_head"].dtype), self.shared["lm_head"])
         return linear(self.lm_head, self.norm(hidden))
 
-    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos / sin ``[m, head_dim]`` of ``positions`` ``[m]``."""
+    def rotary(self, positions: torch.Tensor | range | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin ``[m, head_dim]`` of ``positions`` ``[m]`` (``RotaryTable``: a range or list saves a read)."""
         return self._rotary(positions, self.fc.weight.device)
 
     def step(
-        self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: PreallocatedLayer, mask: torch.Tensor | None
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor | range | list[int],
+        cache: PreallocatedLayer,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """One inference step after the cache: outputs ``[1, m, hidden]``.
 

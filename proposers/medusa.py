@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .core.devices import host_lists
 from .core.engine import EngineExport, check_format, write_export, write_spec
 from .core.errors import InputError, check_integer
 from .core.proposer import ProposerBase
@@ -65,6 +66,7 @@ class MedusaProposer(ProposerBase):
             check_heads_fit(model, target)
             model = model.to(target.device)
         self.heads = model.eval()
+        self.device = next(model.parameters()).device
         self.vocab_size = model.vocab_size
         self.tree = _choose_tree(tree, self.calibration, max_nodes, model.num_heads)
         self._hidden: torch.Tensor | None = None  # final hidden state of the last committed position the target scored
@@ -77,10 +79,10 @@ class MedusaProposer(ProposerBase):
         return self.tree.width
 
     def begin(self, prompt: list[int], features: TargetFeatures | None) -> None:
-        self._hidden = _last_state(features)
+        self._hidden = _last_state(features, self.device)
 
     def observe(self, result: VerifyResult, features: TargetFeatures | None) -> None:
-        self._hidden = _last_state(features)
+        self._hidden = _last_state(features, self.device)
 
     @torch.inference_mode()
     def propose(self, context: ProposeContext) -> Draft:
@@ -91,8 +93,10 @@ class MedusaProposer(ProposerBase):
         # only the heads the tree reaches; one product each (a batched bmm is 5x slower for matrix-vector on a CPU)
         logits = torch.stack([self.heads.lm_heads[d](self.heads.blocks[d](self._hidden)) for d in range(tree.depth)])  # [depth, vocab]
         top = logits.float().softmax(-1).topk(tree.width, dim=-1)  # [depth, width]
-        at = (tree.depths - 1, tree.ranks)
-        return Draft(top.indices.cpu()[at], tree.parents, scores=top.values.cpu()[at].tolist())
+        indices, values = host_lists(top.indices, top.values)  # one read
+        at = list(zip(tree.depths.tolist(), tree.ranks.tolist(), strict=True))  # the tree's own lists: on the CPU, free
+        tokens = [indices[depth - 1][rank] for depth, rank in at]
+        return Draft(torch.tensor(tokens, dtype=torch.long), tree.parents, scores=[values[depth - 1][rank] for depth, rank in at])
 
     def _subtree(self, max_depth: int, max_width: int | None) -> StaticTree:
         """The tree's nodes at most ``max_depth`` deep, each node's first ``max_width`` children only (``limit_width``'s rule)."""
@@ -127,10 +131,10 @@ class MedusaProposer(ProposerBase):
         return write_spec(EngineExport(path, format, spec))
 
 
-def _last_state(features: TargetFeatures | None) -> torch.Tensor:
+def _last_state(features: TargetFeatures | None, device: torch.device) -> torch.Tensor:
     if features is None or -1 not in features.hidden_states:
         raise ValueError("the Medusa proposer needs the target's final hidden state (hidden_layers=(-1,)) with every observe")
-    return features.hidden_states[-1][-1].float()  # [hidden]
+    return features.hidden_states[-1][-1].float().to(device)  # [hidden], on the heads' device
 
 
 def _choose_tree(tree, calibration: dict | None, max_nodes: int | None, num_heads: int) -> StaticTree:

@@ -30,6 +30,7 @@ from torch import nn
 
 from .core.cache import CACHE_HEADROOM, PreallocatedLayer
 from .core.checkpoint import CONFIG, WEIGHTS
+from .core.devices import check_shared_device, host_lists, reads_are_free
 from .core.engine import EngineExport, check_format, write_export, write_spec
 from .core.errors import InputError, check_integer, check_probability
 from .core.proposer import ProposerBase
@@ -98,6 +99,7 @@ class MtpProposer(ProposerBase):
         self.min_path_prob = check_probability("min_path_prob", min_path_prob)
         self.recursive, self.vocab_size = recursive, model.cfg.vocab_size
         self.device = next(model.parameters()).device
+        check_shared_device("MTP modules", self.device, model.shared)
         self.caches: list[PreallocatedLayer] = []
         self.target, self.tokenizer = target, tokenizer  # for export, which writes the target with the modules
 
@@ -171,17 +173,17 @@ class MtpProposer(ProposerBase):
         depth, width = min(self.k, context.max_depth), min(self.tree_width, context.max_width or self.tree_width)
         if width > 1:
             return self._tree(context, depth)
-        guesses: list[int] = []
+        # each depth's guess and its draft probability stay on the modules' device ([1] each): the host reads them once
+        guesses: list[torch.Tensor] = []
         rows: list[torch.Tensor | None] = []
-        scores: list[float] = []
+        scores: list[torch.Tensor] = []
         current = None
         for m in range(self._prepare(tokens, depth)):
             if m == 0:
                 current = self.last[0]  # position n - 2, which reads the root: depth 1
             else:  # positions n - 1 - m .. n - 2, which read the guesses of depths 1 .. m
                 inputs = torch.cat([self._inputs(m)[-1:], current if m > 1 else current[:0]])
-                ids = torch.tensor([guesses], device=self.device)
-                current = self.modules.step(m, ids, inputs[None], torch.arange(n - 1 - m, n - 1, device=self.device), self.caches[m])[0]
+                current = self.modules.step(m, torch.cat(guesses)[None], inputs[None], range(n - 1 - m, n - 1), self.caches[m])[0]
             guess, row, score = self._choose(self.modules.logits(m, current[-1:])[0], context)
             guesses.append(guess)
             rows.append(row)
@@ -189,17 +191,15 @@ class MtpProposer(ProposerBase):
         if len(guesses) == self.num_modules:
             last, hidden = self.num_modules - 1, current[-1:]
             for extra in range(len(guesses), depth):  # recursive: the last module, one position further each time
-                position = torch.tensor([n - 2 + extra - last], device=self.device)
-                hidden = self.modules.step(
-                    last, torch.tensor([[guesses[-1]]], device=self.device), hidden[None], position, self.caches[last]
-                )[0]
+                hidden = self.modules.step(last, guesses[-1][None], hidden[None], [n - 2 + extra - last], self.caches[last])[0]
                 guess, row, score = self._choose(self.modules.logits(last, hidden)[0], context)
                 guesses.append(guess)
                 rows.append(row)
                 scores.append(score)
         if not guesses:
             return Draft.empty()
-        return Draft.chain(guesses, torch.stack(rows) if rows[0] is not None else None, scores=scores)
+        tokens, scores = host_lists(torch.cat(guesses), torch.cat(scores))  # one read
+        return Draft.chain(tokens, torch.stack(rows) if rows[0] is not None else None, scores=scores)
 
     def _tree(self, context: ProposeContext, depth: int) -> Draft:
         """A top-``tree_width`` tree through the shared builder; a node at depth d is scored by module d + 1 over its path."""
@@ -217,13 +217,13 @@ class MtpProposer(ProposerBase):
                     path.append(tree.parents[path[-1]])
                 ids = torch.tensor([[tree.tokens[i] for i in reversed(path)]], device=self.device)
                 hidden = torch.cat([self._inputs(m)[-1:], rows[tree.parents[node]]])
-                out = self.modules.step(m, ids, hidden[None], torch.arange(n - 1 - m, n - 1, device=self.device), self.caches[m])[0]
+                out = self.modules.step(m, ids, hidden[None], range(n - 1 - m, n - 1), self.caches[m])[0]
                 self.caches[m].truncate(self.fed[m])
                 rows[node] = out
                 logits.append(self.modules.logits(m, out[-1:])[0])
-            return torch.stack(logits).float().cpu()
+            return torch.stack(logits).float()
 
-        root = self.modules.logits(0, self.last[0])[0].float().cpu()
+        root = self.modules.logits(0, self.last[0])[0].float()
         sampled = self.sample and not context.sampling.greedy
         grown = grow_dynamic_tree(
             root,
@@ -233,7 +233,7 @@ class MtpProposer(ProposerBase):
             context.sampling,
             sampled,
             max_nodes=self.max_nodes,
-            generator=context.generator,
+            generator=context.generator_for(self.device),
             min_path_prob=self.min_path_prob,
         )
         return grown.draft
@@ -258,18 +258,19 @@ class MtpProposer(ProposerBase):
         count = end + 1 - start
         inputs, rest = pending[:count], pending[count:]
         ids = torch.tensor([tokens[start + m + 1 : end + m + 2]], device=self.device)
-        out = self.modules.step(m, ids, inputs[None], torch.arange(start, end + 1, device=self.device), self.caches[m])[0]
+        out = self.modules.step(m, ids, inputs[None], range(start, end + 1), self.caches[m])[0]
         self.pending[m] = [rest] if rest.shape[0] else []
         self.fed[m], self.last[m] = end + 1, out[-1:]
         if m + 1 < self.num_modules:
             self._append(m + 1, out)
 
     @staticmethod
-    def _choose(logits: torch.Tensor, context: ProposeContext) -> tuple[int, torch.Tensor | None, float]:
-        """The greedy guess (a point mass), or a sample with the distribution it was drawn from; and its draft probability."""
+    def _choose(logits: torch.Tensor, context: ProposeContext) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The greedy guess (a point mass), or a sample with the distribution it was drawn from; and its draft probability
+        (``[1]`` tensors, on the logits' device)."""
         if context.sampling.greedy:
-            top = logits.float().softmax(-1).max(-1)
-            return int(top.indices), None, float(top.values)
-        probs = logits_to_probs(logits.float().cpu(), context.sampling)
-        guess = int(torch.multinomial(probs, 1, generator=context.generator))
-        return guess, probs, float(probs[guess])
+            top = logits.float().softmax(-1).max(-1, keepdim=True)
+            return top.indices, None, top.values
+        probs = logits_to_probs(logits.float(), context.sampling, check=reads_are_free(logits.device))
+        guess = torch.multinomial(probs, 1, generator=context.generator_for(probs.device))  # [1]
+        return guess, probs, probs[guess]

@@ -95,13 +95,16 @@ class MtpModules(nn.Module):
 
     def logits(self, d: int, hidden: torch.Tensor) -> torch.Tensor:
         """Module d's (0-based) logits over the target's vocabulary."""
-        return F.linear(self.layers[d].shared_head.norm(hidden), self.shared["lm_head"])
+        head = self.shared["lm_head"]  # the target's, in its dtype: a half-precision head is not copied to fp32 per step
+        return F.linear(self.layers[d].shared_head.norm(hidden).to(head.dtype), head)
 
-    def run(self, d: int, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+    def run(self, d: int, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | range | list[int], attend) -> torch.Tensor:
         cos, sin = self.rotary(positions, self.layers[d].eh_proj.weight.device)
         return self.layers[d](self.embed(tokens), hidden, cos, sin, attend)
 
-    def step(self, d: int, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: PreallocatedLayer) -> torch.Tensor:
+    def step(
+        self, d: int, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | range | list[int], cache: PreallocatedLayer
+    ) -> torch.Tensor:
         """Module d over new rows after its cache, causally: outputs ``[1, m, hidden]``."""
         attn = self.layers[d].self_attn
         return self.run(d, tokens, hidden, positions, lambda q, k, v: cached_attention(attn, q, k, v, cache, None))
@@ -109,7 +112,7 @@ class MtpModules(nn.Module):
     def causal(self, d: int, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Module d over whole rows with causal attention (training): outputs ``[batch, rows, hidden]``."""
         attn = self.layers[d].self_attn
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        positions = range(tokens.shape[1])
 
         def attend(q, k, v):
             return F.scaled_dot_product_attention(q, attn.expand_kv(k), attn.expand_kv(v), is_causal=True)

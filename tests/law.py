@@ -84,7 +84,7 @@ def exact_law(target, sampling: SamplingParams) -> dict:
     pairs = torch.tensor(list(itertools.product(range(V), repeat=2)))  # [V * V, 2]
     sequences = torch.cat([LAW_PROMPT.expand(len(pairs), -1), pairs], dim=1)
     with torch.no_grad():
-        logits = target(sequences).logits[:, -3:]  # after the prompt, after x, after (x, y)
+        logits = target(sequences.to(target.device)).logits[:, -3:]  # after the prompt, after x, after (x, y)
     probs = logits_to_probs(logits, sampling).double()
     law = {}
     for row, (x, y) in enumerate(pairs.tolist()):

@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from draftsmith.proposers.core.cache import CACHE_HEADROOM
+from draftsmith.proposers.core.devices import SeededGenerators, reads_are_free
 from draftsmith.proposers.core.errors import InputError, check_integer
 from draftsmith.proposers.core.lean_forward import fast_paths, forward_mode
 from draftsmith.proposers.core.models import check_full_attention, context_limit, decode_threads, output_vocab_size, torch_threads
@@ -199,9 +200,11 @@ class SpeculativeDecoder:
     def _generate(self, request: Request) -> DecodeResult:
         input_ids, prompt, max_new_tokens = request.input_ids, request.prompt, request.max_new_tokens
         sampling, eos = request.sampling, request.eos
-        generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
         proposer = self.proposer
         target = Target(self.model, proposer.hidden_layers if proposer is not None else (), self.preallocate, self.forward)
+        # the verifier draws on the device of the target's logits; a draft elsewhere asks ProposeContext.generator_for
+        generators = SeededGenerators(request.seed, target.output_device) if request.seed is not None else None
+        generator = generators.on(target.output_device) if generators is not None else None
         stats = DecodeStats()
         controller_before = self.controller.seconds if self.controller is not None else 0.0
         start = time.perf_counter()
@@ -223,7 +226,7 @@ class SpeculativeDecoder:
         while len(new_tokens) < max_new_tokens and last not in eos:
             tick = time.perf_counter()
             # 0. plan and 1. propose: how deep to draft (0: a plain step), the draft, the nodes worth a row
-            step = self._propose(tokens, max_new_tokens - len(new_tokens), sampling, generator, target)
+            step = self._propose(tokens, max_new_tokens - len(new_tokens), sampling, generators, target)
             draft, context = step.draft, len(tokens)
             tock = time.perf_counter()
             # 2. score: root + every draft node in one target forward
@@ -253,7 +256,7 @@ class SpeculativeDecoder:
         stats.controller_time = self.controller.seconds - controller_before
         return DecodeResult(new_tokens, stats, self.controller.snapshot())
 
-    def _propose(self, tokens, remaining, sampling, generator, target) -> DraftStep:
+    def _propose(self, tokens, remaining, sampling, generators, target) -> DraftStep:
         """Plan the step, and ask the proposer for a draft no deeper than the plan, the output and the positions allow."""
         max_depth = remaining - 1
         if target.max_positions is not None:
@@ -265,9 +268,10 @@ class SpeculativeDecoder:
         if plan.depth == 0:
             return DraftStep(plan, Draft.empty())
         tick = time.perf_counter()
-        draft = self.proposer.propose(ProposeContext(tokens, plan.depth, sampling, generator, plan.width))
+        generator = generators.on(target.output_device) if generators is not None else None
+        draft = self.proposer.propose(ProposeContext(tokens, plan.depth, sampling, generator, plan.width, generators))
         seconds = time.perf_counter() - tick
-        validate_draft(draft, self.vocab_size)
+        validate_draft(draft, self.vocab_size, check_probs=reads_are_free(target.output_device))  # else the verifier's read checks them
         draft = limit_width(prune_depth(draft, plan.depth), plan.width)
         if controller is None or not plan.trims:  # what trimming would hide is what a probe learns from
             return DraftStep(plan, draft, None, seconds)
@@ -372,5 +376,7 @@ def _path_features(out: TargetOutput, result: VerifyResult, drafted: int) -> Tar
         return out.features
     if accepted == list(range(len(accepted))):  # a chain's accepted prefix: rows 0..n, a view
         return TargetFeatures({layer: h[: len(accepted) + 1] for layer, h in out.features.hidden_states.items()})
-    rows = torch.tensor([0] + [i + 1 for i in accepted])
-    return TargetFeatures({layer: h.index_select(0, rows) for layer, h in out.features.hidden_states.items()})
+    rows = [0] + [i + 1 for i in accepted]  # on each layer's device (a target split over devices has its layers on several)
+    return TargetFeatures(
+        {layer: h.index_select(0, torch.tensor(rows, device=h.device)) for layer, h in out.features.hidden_states.items()}
+    )

@@ -62,6 +62,9 @@ class Target:
         check_full_attention(model, "target")
         self.model = model
         self.device = model.device  # read once: the property walks the parameters
+        head = model.get_output_embeddings()
+        # where the logits come out (the last shard of a model split over devices): the verifier draws there
+        self.output_device = head.weight.device if head is not None else self.device
         self.hidden_layers = tuple(hidden_layers)
         self.preallocate, self.lean = preallocate, lean
         self.vocab_size = output_vocab_size(model)
@@ -92,14 +95,14 @@ class Target:
         """
         past = self.cache_len
         device = self.device
-        input_ids = torch.cat([torch.tensor([root_token]), draft.token_ids]).to(device)[None]
+        input_ids = torch.tensor([[root_token, *draft.token_list]], device=device)  # one copy: the host has the tokens
         self._scored_past = past
         self._scored_chain = draft.is_chain()
         if self._scored_chain:  # plain causal attention: no mask to build here
             return self._forward(input_ids, None, torch.arange(past, past + input_ids.shape[1], device=device)[None])
         parents = draft.parent_list
-        mask = tree_attention_mask(parents, past, dtype=self.model.dtype).to(device)
-        return self._forward(input_ids, mask, tree_position_ids(parents, past).to(device))
+        mask = tree_attention_mask(parents, past, dtype=self.model.dtype, device=device)
+        return self._forward(input_ids, mask, tree_position_ids(parents, past, device=device))
 
     def commit(self, accepted_nodes: list[int]) -> None:
         """Keep the root and the accepted nodes in the cache; drop every other scored entry."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .devices import host_lists, reads_are_free
 from .sampling import logits_to_probs
 from .static_tree import grow_tree_by_accuracy
 from .types import Draft, ProposeContext
@@ -45,16 +46,16 @@ def position_draft(
         return Draft.empty()
     logits = logits[:depth].float()
     if width == 1 and sample and not context.sampling.greedy:
-        probs = logits_to_probs(logits, context.sampling)  # [depth, vocab]
-        tokens = torch.multinomial(probs, 1, generator=context.generator).squeeze(1)
-        return Draft.chain(tokens, probs, scores=probs.gather(1, tokens[:, None]).squeeze(1).tolist())
+        probs = logits_to_probs(logits, context.sampling, check=reads_are_free(logits.device))  # [depth, vocab]
+        drawn = torch.multinomial(probs, 1, generator=context.generator_for(probs.device)).squeeze(1)  # each depth's, independently
+        tokens, scores = host_lists(drawn, probs.gather(1, drawn[:, None]).squeeze(1))  # one read
+        return Draft.chain(tokens, probs, scores=scores)
     top = torch.softmax(logits, dim=-1).topk(width, dim=-1)  # raw softmax: deterministic nodes' confidence, as in EAGLE-2
+    indices, values = host_lists(top.indices, top.values)  # one read
     if width == 1:
-        return Draft.chain(top.indices[:, 0], scores=top.values[:, 0].tolist())
-    paths = grow_tree_by_accuracy(top.values.tolist(), max_nodes or depth * width)
+        return Draft.chain([row[0] for row in indices], scores=[row[0] for row in values])
+    paths = grow_tree_by_accuracy(values, max_nodes or depth * width)
     index = {path: node for node, path in enumerate(paths)}  # best first: every parent comes before its children
-    indices = top.indices.tolist()
-    values = top.values.tolist()
     draft = Draft(
         torch.tensor([indices[len(p) - 1][p[-1]] for p in paths], dtype=torch.long),
         torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths], dtype=torch.long),

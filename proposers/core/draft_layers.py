@@ -77,23 +77,38 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class RotaryTable:
-    """cos / sin rows of rotary positions, from a table computed once and doubled as needed."""
+    """cos / sin rows of rotary positions, from a table computed once and doubled as needed (one copy per device)."""
 
     def __init__(self, head_dim: int, theta: float):
         self.head_dim, self.theta = head_dim, theta
         self.table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos / sin ``[m, head_dim]`` of ``positions`` ``[m]``."""
-        bound = int(positions.max()) + 1 if positions.numel() else 1
+    def __call__(self, positions: torch.Tensor | range | list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin ``[m, head_dim]`` on ``device`` of ``positions`` ``[m]``.
+
+        Positions the host knows (a ``range`` or a list: what decoding has) size the table
+        without a read of a device tensor; a tensor (training's) is read once for its largest.
+        """
+        if isinstance(positions, torch.Tensor):
+            bound = int(positions.max()) + 1 if positions.numel() else 1
+        else:
+            bound = max(positions, default=0) + 1
         if self.table is None or self.table[0].shape[0] < bound:
             size = max(bound, 2 * self.table[0].shape[0] if self.table is not None else 512)
             inv = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
             angles = torch.outer(torch.arange(size, dtype=torch.float32), inv)
             angles = torch.cat([angles, angles], dim=-1)
-            self.table = (angles.cos(), angles.sin())
-        cos, sin = self.table
-        return cos.to(device).index_select(0, positions), sin.to(device).index_select(0, positions)
+            self.table, self._on = (angles.cos(), angles.sin()), {}
+        device = torch.device(device)
+        if device not in self._on:
+            self._on[device] = (self.table[0].to(device), self.table[1].to(device))
+        cos, sin = self._on[device]
+        if isinstance(positions, range) and positions.step == 1:
+            return cos[positions.start : positions.stop], sin[positions.start : positions.stop]
+        if not isinstance(positions, torch.Tensor):
+            positions = torch.tensor(list(positions), dtype=torch.long, device=device)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
 
 
 def cached_attention(

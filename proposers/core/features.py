@@ -36,8 +36,9 @@ class FeatureQueue:
             raise ValueError(f"the {self.who} proposer needs the target's hidden layers {list(self.layers)} with every observe")
         self.blocks.append([features.hidden_states[layer] for layer in self.layers])
 
-    def pop(self) -> torch.Tensor:
-        """Every queued position's features ``[rows, n_layers * hidden]`` (the layers side by side), float; the queue empties."""
+    def pop(self, device: torch.device) -> torch.Tensor:
+        """Every queued position's features ``[rows, n_layers * hidden]`` (the layers side by side), float, on the proposer's
+        ``device`` (a target split over devices hands each layer over from its own); the queue empties."""
         blocks, self.blocks = self.blocks, []
-        layers = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*blocks, strict=True)]
+        layers = [(torch.cat(parts) if len(parts) > 1 else parts[0]).to(device) for parts in zip(*blocks, strict=True)]
         return (torch.cat(layers, dim=-1) if len(layers) > 1 else layers[0]).float()

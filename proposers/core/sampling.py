@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .devices import host_lists
 from .errors import InputError, check_integer, check_real
 
 MIN_SIBLING_MASS = 1e-6  # stop drawing siblings when less draft mass than this is left
@@ -54,7 +55,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def logits_to_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+def logits_to_probs(logits: torch.Tensor, sampling: SamplingParams, check: bool = True) -> torch.Tensor:
     """Turn logits into the processed sampling distribution (temperature, top-k, top-p).
 
     The same function serves the target and every proposer, so draft and target
@@ -64,11 +65,13 @@ def logits_to_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Ten
     Args:
         logits: ``[..., vocab]`` raw logits; ``-inf`` marks forbidden tokens.
         sampling: the processing to apply.
+        check: raise ``ValueError`` when a row is entirely masked (one read by the host, a sync on a
+            GPU); False leaves that to the caller (the verifier folds it into its own read).
     Returns:
         ``[..., vocab]`` float32 probabilities, each row summing to 1.
     """
     logits = logits.float()
-    if not torch.isfinite(logits.amax(dim=-1)).all():
+    if check and not torch.isfinite(logits.amax(dim=-1)).all():
         raise ValueError("every token is masked (-inf/NaN logits): there is no distribution to sample from")
     if sampling.greedy:
         probs = torch.zeros_like(logits)
@@ -97,6 +100,21 @@ def logits_to_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Ten
     return probs
 
 
+def draw_rows(rows: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token from each row of ``rows`` ``[R, vocab]`` (non-negative, a positive total each), by the inverse of its CDF: ``[R]``.
+
+    One uniform per row, from ``generator`` on the rows' device; the CDF in float64, so a
+    large vocabulary's small probabilities keep their share. The GPU forms draw with it: no
+    read, no device-side assert, and many rows in a few ops (``torch.multinomial`` draws the
+    same law, 70 us a row on a CPU core against 15 us here; the CPU forms keep it, and with it
+    the CPU's seeded streams).
+    """
+    cdf = rows.cumsum(-1, dtype=torch.float64)  # [R, vocab]
+    # u in (0, 1]: the first token whose CDF reaches u * total has positive probability (u = 0 would pick a leading zero)
+    uniform = 1.0 - torch.rand(rows.shape[0], 1, generator=generator, device=rows.device, dtype=torch.float64)
+    return torch.searchsorted(cdf, uniform * cdf[:, -1:]).squeeze(1).clamp_(max=rows.shape[-1] - 1)
+
+
 def top_k_rows(logits: torch.Tensor, count: int) -> tuple[list[list[int]], list[list[float]]]:
     """The ``count`` most likely tokens of each row of ``logits`` ``[rows, vocab]`` and their raw softmax probabilities.
 
@@ -106,7 +124,7 @@ def top_k_rows(logits: torch.Tensor, count: int) -> tuple[list[list[int]], list[
     """
     probs = torch.softmax(logits.float(), dim=-1)
     values, indices = torch.topk(probs, min(count, probs.shape[-1]), dim=-1)
-    return indices.tolist(), values.tolist()
+    return host_lists(indices, values)  # one read
 
 
 def sampled_children(
@@ -137,3 +155,48 @@ def sample_without_replacement(probs: torch.Tensor, count: int, generator: torch
         remaining = remaining.clone()
         remaining[token] = 0.0
     return picks
+
+
+@dataclass(frozen=True)
+class Siblings:
+    """Each parent's siblings drawn at once (``sampled_children_at_once``): tokens, draft probabilities and the mass left before each.
+
+    Args:
+        tokens: ``[parents][count]`` in draw order.
+        probs: the processed draft probability of each.
+        masses: the processed mass not yet drawn when each was drawn (1 for the first).
+        rows: ``[parents, count, vocab]``: the law each was drawn from, given the earlier ones (the Draft contract's row).
+    """
+
+    tokens: list[list[int]]
+    probs: list[list[float]]
+    masses: list[list[float]]
+    rows: torch.Tensor
+
+    def take(self, parent: int, count: int) -> tuple[list[int], list[float], list[torch.Tensor]]:
+        """Parent ``parent``'s first siblings, at most ``count``, stopping before one drawn from less than ``MIN_SIBLING_MASS``."""
+        kept = 0
+        while kept < count and self.masses[parent][kept] >= MIN_SIBLING_MASS:
+            kept += 1
+        return self.tokens[parent][:kept], self.probs[parent][:kept], list(self.rows[parent, :kept])
+
+
+def sampled_children_at_once(logits: torch.Tensor, count: int, sampling: SamplingParams, generator: torch.Generator | None) -> Siblings:
+    """``sampled_children`` for every row of ``logits`` ``[parents, vocab]`` at once, with one read by the host (a GPU's form).
+
+    Each row's ``count`` siblings are its largest ``log(probs) + Gumbel noise`` keys: the
+    Gumbel-top-k trick (Kool et al. 2019), whose ordered draws have exactly the law of drawing
+    without replacement one by one, each from the rest renormalised. Which of them a tree
+    keeps (``Siblings.take``) depends only on earlier draws, as in ``sample_without_replacement``.
+    """
+    probs = logits_to_probs(logits, sampling, check=False)  # [parents, vocab]
+    count = min(count, probs.shape[-1])
+    gumbel = -torch.empty_like(probs).exponential_(generator=generator).log()
+    order = (probs.log() + gumbel).topk(count, dim=-1).indices  # [parents, count], in draw order
+    chosen = probs.gather(1, order)
+    masses = probs.sum(-1, keepdim=True) - (chosen.cumsum(-1) - chosen)  # the mass left when each was drawn
+    earlier = torch.zeros(*order.shape, probs.shape[-1], device=probs.device).scatter_(2, order[..., None], 1.0).cumsum(1)
+    earlier = earlier - torch.zeros_like(earlier).scatter_(2, order[..., None], 1.0)  # [parents, count, vocab]: drawn before
+    rows = probs[:, None] * (1.0 - earlier) / masses[..., None].clamp(min=MIN_SIBLING_MASS)
+    tokens, probs_list, masses_list = host_lists(order, chosen, masses)  # one read
+    return Siblings(tokens, probs_list, masses_list, rows)

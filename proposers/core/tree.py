@@ -18,18 +18,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams, sampled_children, top_k_rows
+from .devices import reads_are_free
+from .sampling import SamplingParams, sampled_children, sampled_children_at_once, top_k_rows
 from .types import Draft
 
 # -- structure -------------------------------------------------------------------------
 
 
-def validate_draft(draft: Draft, vocab_size: int) -> None:
+def validate_draft(draft: Draft, vocab_size: int, check_probs: bool = True) -> None:
     """Raise ValueError unless ``draft`` is a well-formed tree over ``vocab_size`` tokens.
 
     Checks shapes and dtypes, that every parent comes before its child (which rules out
     cycles), that token ids are in the vocabulary, and that draft probabilities are
     finite, non-negative and sum to 1 with positive mass on each proposed token.
+
+    Args:
+        check_probs: check the values of ``draft_probs`` here (a read by the host); False leaves
+            that to the caller (on a GPU the verifier folds it into its own read:
+            ``draft_probs_valid``, then ``check_draft_probs`` to name the fault).
     """
     tokens, parents = draft.token_ids, draft.parents
     if tokens.dim() != 1 or parents.shape != tokens.shape:
@@ -49,13 +55,23 @@ def validate_draft(draft: Draft, vocab_size: int) -> None:
     if draft.scores is not None and len(draft.scores) != len(token_list):
         raise ValueError(f"draft scores must hold one value per node ({len(token_list)}), got {len(draft.scores)}")
     if draft.draft_probs is not None:
-        _validate_probs(draft.draft_probs, tokens, vocab_size)
+        n = len(token_list)
+        if tuple(draft.draft_probs.shape) != (n, vocab_size):
+            raise ValueError(f"draft_probs must be [num_nodes, vocab] = [{n}, {vocab_size}], got {tuple(draft.draft_probs.shape)}")
+        if check_probs:
+            check_draft_probs(draft.draft_probs, tokens)
 
 
-def _validate_probs(draft_probs: torch.Tensor, tokens: torch.Tensor, vocab_size: int) -> None:
-    n = tokens.shape[0]
-    if tuple(draft_probs.shape) != (n, vocab_size):
-        raise ValueError(f"draft_probs must be [num_nodes, vocab] = [{n}, {vocab_size}], got {tuple(draft_probs.shape)}")
+def draft_probs_valid(draft_probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor, not read: whether ``draft_probs`` ``[n, vocab]`` pass ``check_draft_probs`` for ``tokens`` ``[n]``."""
+    sums = draft_probs.sum(dim=-1, dtype=torch.float64)
+    chosen = draft_probs.gather(1, tokens.to(draft_probs.device)[:, None])
+    return torch.isfinite(draft_probs).all() & (draft_probs >= 0).all() & ((sums - 1).abs() <= 1e-3).all() & (chosen > 0).all()
+
+
+def check_draft_probs(draft_probs: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Raise ValueError naming the fault unless each row of ``draft_probs`` is a distribution with mass on its node's token."""
+    tokens = tokens.to(draft_probs.device)
     if not torch.isfinite(draft_probs).all():
         raise ValueError("draft_probs contain NaN or inf")
     if (draft_probs < 0).any():
@@ -115,7 +131,9 @@ def keep_nodes(draft: Draft, keep: list[int]) -> Draft:
     parents, tokens = draft.parent_list, draft.token_list  # small lists: cheaper than tensor indexing
     new_index = {old: new for new, old in enumerate(keep)}
     new_parents = [new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep]
-    probs = draft.draft_probs.index_select(0, torch.tensor(keep, dtype=torch.long)) if draft.draft_probs is not None else None
+    probs = draft.draft_probs
+    if probs is not None:
+        probs = probs.index_select(0, torch.tensor(keep, dtype=torch.long, device=probs.device))
     scores = [draft.scores[i] for i in keep] if draft.scores is not None else None
     kept = Draft(
         torch.tensor([tokens[i] for i in keep], dtype=torch.long), torch.tensor(new_parents, dtype=torch.long), probs, draft.source, scores
@@ -175,19 +193,27 @@ def merge_drafts(drafts: list[Draft], max_nodes: int, source: str | None = None)
 # -- attention masks and positions -------------------------------------------------------
 
 
-def tree_attention_mask(parents: list[int], past_len: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def tree_attention_mask(
+    parents: list[int], past_len: int, dtype: torch.dtype = torch.float32, device: torch.device | None = None
+) -> torch.Tensor:
     """The verifier's 4D additive mask ``[1, 1, n + 1, past_len + n + 1]`` for scoring root + tree.
 
     The cache holds ``past_len`` positions; the root (the last committed token) and the
     ``n`` nodes are fed in one forward, the root first. 0 where a position may attend (the
     whole cached prefix, its ancestors and itself), ``-inf`` (the dtype's minimum) elsewhere.
+    Built on ``device`` (the model's; None: the CPU).
     """
     columns = [[0]] + [[0] + [j + 1 for j in path] for path in node_paths(parents)]
-    return _additive_mask(columns, past_len, len(parents) + 1, dtype)
+    return _additive_mask(columns, past_len, len(parents) + 1, dtype, device)
 
 
 def incremental_tree_mask(
-    parents: list[int], cached: list[int], nodes: list[int], prefix_len: int, dtype: torch.dtype = torch.float32
+    parents: list[int],
+    cached: list[int],
+    nodes: list[int],
+    prefix_len: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """The 4D additive mask ``[1, 1, m, prefix_len + len(cached) + m]`` for feeding ``nodes`` of a growing tree.
 
@@ -206,25 +232,26 @@ def incremental_tree_mask(
     column = {node: k for k, node in enumerate(cached + nodes)}
     paths = node_paths(parents)
     columns = [[column[j] for j in paths[node]] for node in nodes]
-    return _additive_mask(columns, prefix_len, len(column), dtype)
+    return _additive_mask(columns, prefix_len, len(column), dtype, device)
 
 
-def _additive_mask(columns: list[list[int]], prefix_len: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+def _additive_mask(columns: list[list[int]], prefix_len: int, width: int, dtype: torch.dtype, device: torch.device | None) -> torch.Tensor:
     """``[1, 1, rows, prefix_len + width]``: 0 on the prefix and at ``prefix_len + c`` for c in ``columns[row]``, else the dtype's min.
 
-    One fill per mask, not one per entry: this runs once per draft depth and per verification.
+    One fill per mask, not one per entry: this runs once per draft depth and per verification. Made on
+    ``device``, where only the allowed entries' indices are copied to (not the mask, which grows with the prefix).
     """
     rows, total = len(columns), prefix_len + width
     allowed = [row * total + prefix_len + c for row, cs in enumerate(columns) for c in cs]
-    mask = torch.full((rows, total), torch.finfo(dtype).min, dtype=dtype)
+    mask = torch.full((rows, total), torch.finfo(dtype).min, dtype=dtype, device=device)
     mask[:, :prefix_len] = 0.0
-    mask.view(-1).index_fill_(0, torch.tensor(allowed, dtype=torch.long), 0.0)
+    mask.view(-1).index_fill_(0, torch.tensor(allowed, dtype=torch.long, device=device), 0.0)
     return mask.view(1, 1, rows, total)
 
 
-def tree_position_ids(parents: list[int], past_len: int) -> torch.Tensor:
-    """``[1, n + 1]`` position ids: the root sits at ``past_len``, a node at ``past_len + depth``."""
-    return torch.tensor([[past_len] + [past_len + d for d in node_depths(parents)]])
+def tree_position_ids(parents: list[int], past_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """``[1, n + 1]`` position ids on ``device``: the root sits at ``past_len``, a node at ``past_len + depth``."""
+    return torch.tensor([[past_len] + [past_len + d for d in node_depths(parents)]], device=device)
 
 
 # -- the dynamic tree builder (EAGLE-2) ---------------------------------------------------
@@ -355,6 +382,14 @@ def grow_dynamic_tree(
             tokens, probs = top_k_rows(logits, width)
             return [child for parent, t, p in zip(parents, tokens, probs, strict=True) for child in tree.add_children(parent, t, p, None)]
         added = []
+        if not reads_are_free(logits.device):  # every parent's siblings drawn at once: one read per depth
+            drawn = sampled_children_at_once(logits, width, sampling, generator)
+            for i, parent in enumerate(parents):
+                count = min(width, draw_budget - len(tree)) if draw_budget is not None else width
+                if count < 1:
+                    break
+                added += tree.add_children(parent, *drawn.take(i, count))
+            return added
         for parent, row in zip(parents, logits, strict=True):
             count = min(width, draw_budget - len(tree)) if draw_budget is not None else width
             if count < 1:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .devices import SeededGenerators
 from .sampling import SamplingParams
 
 
@@ -101,7 +102,9 @@ class ProposeContext:
             children of a node, in draft order, are dropped with their subtrees, so a tree
             proposer saves work by drafting no wider.
         sampling: the processing to apply to draft distributions.
-        generator: the request's seeded generator, for proposers that sample.
+        generator: the request's seeded generator on the device of the target's logits, for
+            proposers that sample there (None: unseeded).
+        generators: the request's generators on every device (``generator_for``).
     """
 
     tokens: list[int]
@@ -109,6 +112,17 @@ class ProposeContext:
     sampling: SamplingParams
     generator: torch.Generator | None = None
     max_width: int | None = None
+    generators: SeededGenerators | None = None
+
+    def generator_for(self, device: torch.device) -> torch.Generator | None:
+        """The request's generator for draws on ``device`` (``torch.multinomial`` needs one on its rows' device).
+
+        The target's own where the devices agree, else one seeded from the request's seed for that
+        device; None for an unseeded request (torch's default generator of that device then draws).
+        """
+        if self.generators is not None:
+            return self.generators.on(device)
+        return self.generator
 
 
 @dataclass(frozen=True)

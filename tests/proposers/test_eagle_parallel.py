@@ -86,7 +86,7 @@ def test_negative_control_mask_entries_one_position_off_differ(make_llama, monke
     step = draft.step
 
     def shifted(tokens, hidden, positions, cache, mask):
-        rows = tokens.shape[1]
+        rows, positions = tokens.shape[1], torch.as_tensor(list(positions))  # the proposer hands the host's positions over
         return step(tokens, hidden, torch.cat([positions[: rows - 2], positions[rows - 2 :] + 1]), cache, mask)
 
     monkeypatch.setattr(draft, "step", shifted)

@@ -19,7 +19,13 @@ import torch
 import draftsmith.verify.rejection as rejection
 from draftsmith.proposers.core.sampling import SamplingParams, logits_to_probs
 from draftsmith.proposers.core.types import Draft
-from draftsmith.verify.rejection import greedy_accept, rejection_sample, residual_distribution, speculative_sample
+from draftsmith.verify.rejection import (
+    greedy_accept,
+    rejection_sample,
+    residual_distribution,
+    speculative_sample,
+    speculative_sample_on_device,
+)
 
 V = 8
 N = 12000
@@ -118,7 +124,10 @@ def build_draft(case: Case, shape: str, g: torch.Generator) -> Draft:
     return Draft(torch.tensor(tokens), torch.tensor(parents), torch.stack(rows))
 
 
-def sample_pairs(case: Case, shape: str, n: int = N, seed: int = 0) -> Counter:
+SAMPLERS = {"host": speculative_sample, "device": speculative_sample_on_device}  # read node by node, or once per step (a GPU's)
+
+
+def sample_pairs(case: Case, shape: str, n: int = N, seed: int = 0, sampler: str = "host") -> Counter:
     """Counts of the first two emitted tokens over n verifications."""
     g = torch.Generator().manual_seed(seed)
     root_probs, next_probs = case.root_probs, case.next_probs
@@ -128,7 +137,7 @@ def sample_pairs(case: Case, shape: str, n: int = N, seed: int = 0) -> Counter:
         tokens = draft.token_ids.tolist()
         # the target row of a depth-1 node with token x is next_probs[x]; deeper rows are never reached twice here
         rows = [root_probs] + [next_probs[tokens[i]] if p < 0 else next_probs[0] for i, p in enumerate(draft.parents.tolist())]
-        result = speculative_sample(draft, torch.stack(rows), g)
+        result = SAMPLERS[sampler](draft, torch.stack(rows), g)
         emitted = result.committed
         if len(emitted) == 1:
             emitted.append(int(torch.multinomial(next_probs[emitted[0]], 1, generator=g)))
@@ -157,16 +166,22 @@ FAST = {
 }
 
 
-def grid(pairs, fast):
-    return [pytest.param(*pair, marks=() if pair in fast else pytest.mark.slow) for pair in pairs]
+# The device form (a GPU's) runs its chain and its sampled tree by default.
+def grid(pairs, fast, device_fast=("chain", "sampled_tree_without_replacement")):
+    """Each pair with each sampler; slow unless the pair is fast and, for the device form, its shape is in ``device_fast``."""
+    return [
+        pytest.param(sampler, *pair, marks=() if pair in fast and (sampler == "host" or pair[0] in device_fast) else pytest.mark.slow)
+        for sampler in SAMPLERS
+        for pair in pairs
+    ]
 
 
-@pytest.mark.parametrize("shape, sampling_name", grid([(shape, name) for shape in SHAPES for name in SAMPLINGS], FAST))
-def test_output_law_matches_target(shape, sampling_name, law_check):
+@pytest.mark.parametrize("sampler, shape, sampling_name", grid([(shape, name) for shape in SHAPES for name in SAMPLINGS], FAST))
+def test_output_law_matches_target(shape, sampling_name, sampler, law_check):
     sampling = SAMPLINGS[sampling_name]
     case = Case(seed=11, sampling=sampling)
-    stat, critical, tv = law_check(sample_pairs(case, shape), expected_pairs(case), N)
-    assert stat < critical, f"{shape}/{sampling_name}: chi2 {stat:.1f} >= {critical:.1f} (TV {tv:.3f})"
+    stat, critical, tv = law_check(sample_pairs(case, shape, sampler=sampler), expected_pairs(case), N)
+    assert stat < critical, f"{sampler} {shape}/{sampling_name}: chi2 {stat:.1f} >= {critical:.1f} (TV {tv:.3f})"
 
 
 def broken_target_minus_target(target_probs, draft_probs, token):
@@ -180,13 +195,12 @@ def broken_resample_from_target(target_probs, draft_probs, token):
 
 
 def broken_scalar_draft_prob(target_probs, draft_probs, token):
-    """Keeps only q(x) of the sampled token, as if the full draft distribution were not stored."""
-    residual = target_probs.clone()
-    if draft_probs is not None:
-        residual[token] = max(float(target_probs[token]) - float(draft_probs[token]), 0.0)
-    else:
-        residual[token] = 0.0
-    return residual / residual.sum() if residual.sum() > 0 else target_probs
+    """Keeps only q(x) of the sampled token, as if the full draft distribution were not stored (row by row, as the device form asks)."""
+    index = torch.as_tensor(token).reshape(*target_probs.shape[:-1], 1)
+    kept = target_probs.gather(-1, index) - (draft_probs.gather(-1, index) if draft_probs is not None else target_probs.gather(-1, index))
+    residual = target_probs.scatter(-1, index, kept.clamp(min=0.0))
+    total = residual.sum(-1, keepdim=True)
+    return torch.where(total > 0, residual / total, target_probs)
 
 
 BROKEN = [broken_target_minus_target, broken_resample_from_target, broken_scalar_draft_prob]
@@ -194,11 +208,12 @@ FAST_CONTROLS = {("sampled_tree_without_replacement", broken_target_minus_target
 
 
 @pytest.mark.parametrize(
-    "shape, broken", grid([(shape, broken) for shape in ("chain", "sampled_tree_without_replacement") for broken in BROKEN], FAST_CONTROLS)
+    "sampler, shape, broken",
+    grid([(shape, broken) for shape in ("chain", "sampled_tree_without_replacement") for broken in BROKEN], FAST_CONTROLS, ("chain",)),
 )
-def test_negative_controls_fail_the_law_test(broken, shape, monkeypatch, law_check):
+def test_negative_controls_fail_the_law_test(broken, shape, sampler, monkeypatch, law_check):
     monkeypatch.setattr(rejection, "residual_distribution", broken)
     sampling = SAMPLINGS["t1"]
     case = Case(seed=11, sampling=sampling)
-    stat, critical, tv = law_check(sample_pairs(case, shape), expected_pairs(case), N)
-    assert stat >= critical, f"broken sampler {broken.__name__} passed the law test (chi2 {stat:.1f}, TV {tv:.3f})"
+    stat, critical, tv = law_check(sample_pairs(case, shape, sampler=sampler), expected_pairs(case), N)
+    assert stat >= critical, f"broken {sampler} sampler {broken.__name__} passed the law test (chi2 {stat:.1f}, TV {tv:.3f})"
