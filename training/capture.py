@@ -93,14 +93,21 @@ class Capturer:
         self.last = final_layer(target)
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> Captured:
+        """What the head's loss reads, on the batch's device (where accelerate trains the head): a target split over
+        devices (``target_device_map``) hands each layer over from its own, and stored features come from the host."""
+        device = batch["input_ids"].device
         if not self.offline:
-            return capture(self.target, batch["input_ids"], self.layers, self.logits)
-        hidden = {layer: batch[f"hidden.{layer % (self.last + 1)}"] for layer in self.layers}
-        logits = None
-        if self.logits:
-            with torch.no_grad():
-                logits = self.target.get_output_embeddings()(batch[f"hidden.{self.last}"])
-        return Captured(logits, hidden)
+            captured = capture(self.target, batch["input_ids"], self.layers, self.logits)
+        else:
+            hidden = {layer: batch[f"hidden.{layer % (self.last + 1)}"] for layer in self.layers}
+            logits = None
+            if self.logits:
+                head = self.target.get_output_embeddings()
+                with torch.no_grad():
+                    logits = head(batch[f"hidden.{self.last}"].to(head.weight.device))
+            captured = Captured(logits, hidden)
+        logits = captured.logits.to(device) if captured.logits is not None else None
+        return Captured(logits, {layer: h.to(device) for layer, h in captured.hidden.items()})
 
 
 # --- offline shards ------------------------------------------------------------------
