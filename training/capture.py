@@ -275,7 +275,9 @@ def offline_key(cfg, target, objective) -> str:
         cfg: the recipe (``training.recipe.TrainConfig``); objective: its family's ``Objective``.
     """
     objective.check(target, None)  # resolves target-dependent layers (EAGLE-3's default aux layers)
-    data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in ("self_distill",)}
+    # chat_format says nothing about text data: leaving it out keeps the captures made before it existed
+    skip = ("self_distill", "chat_format") if cfg.data.format == "text" else ("self_distill",)
+    data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in skip}
     data["self_distill"] = {k: v for k, v in dataclasses.asdict(cfg.data.self_distill).items() if k not in ("cache_dir", "batch_size")}
     data["seed"] = cfg.seed
     layers = stored_layers(target, objective.hidden_layers, objective.needs_logits)

@@ -46,6 +46,12 @@ def file_signature(path: str | Path) -> list:
     return [str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns]
 
 
+def with_defaults(saved: dict, defaults: dict) -> dict:
+    """``saved`` (a recipe as an earlier version wrote it, flattened) with every key it lacks at its value in ``defaults``:
+    a key added since means what its default does, so an older run or output still counts as this recipe's."""
+    return {**flatten(defaults), **flatten(saved)}
+
+
 def config_hash(values: dict, keys: tuple[str, ...] | None = None, exclude: set[str] = frozenset()) -> str:
     """Short hash of a config's (flattened) values: of ``keys`` when given, else of every key not in ``exclude``."""
     flat = flatten(values)
@@ -191,18 +197,21 @@ def recipe_command(argv: list[str] | None, description: str, load_config, run, r
         print(report(out))
 
 
-def check_output_dir(out: str | Path, recipe: dict, runtime_keys: set[str], overwrite: bool) -> None:
+def check_output_dir(out: str | Path, recipe: dict, runtime_keys: set[str], overwrite: bool, defaults: dict | None = None) -> None:
     """Refuse to replace a non-empty ``out`` unless it holds this recipe's own earlier output, or ``overwrite`` is set.
 
     A run replaces its output directory whole; a short trial run must never silently
     replace what another recipe wrote there (a shipped model). Its own earlier output is
-    recognised by the recipe in its ``training_config.yaml``, runtime keys aside.
+    recognised by the recipe in its ``training_config.yaml``, runtime keys aside, and keys
+    added since it was written at their ``defaults``.
     """
     out = Path(out)
     if overwrite or not out.is_dir() or not any(out.iterdir()):
         return
     saved_file = out / "training_config.yaml"
     saved = yaml.safe_load(saved_file.read_text()) if saved_file.is_file() else None
+    if isinstance(saved, dict) and defaults is not None:
+        saved = with_defaults(saved, defaults)
     if isinstance(saved, dict) and config_hash(saved, exclude=runtime_keys) == config_hash(recipe, exclude=runtime_keys):
         return
     mine, theirs = flatten(recipe), flatten(saved) if isinstance(saved, dict) else {}

@@ -19,7 +19,7 @@ from draftsmith.proposers.core.config import build, load
 from draftsmith.proposers.core.errors import ConfigError
 
 from .capture import CaptureConfig
-from .common import checkpoints, config_hash, flatten
+from .common import checkpoints, config_hash, flatten, with_defaults
 from .data import DataConfig
 from .objective import Objective, objective_class
 
@@ -115,7 +115,10 @@ def check_resumable(cfg: TrainConfig, run_dir: Path) -> None:
     found = checkpoints(run_dir)
     if not found or not (found[-1] / CONFIG_FILE).is_file():
         return
-    saved, mine = yaml.safe_load((found[-1] / CONFIG_FILE).read_text()), dataclasses.asdict(cfg)
+    saved, mine = (
+        with_defaults(yaml.safe_load((found[-1] / CONFIG_FILE).read_text()), dataclasses.asdict(TrainConfig())),
+        dataclasses.asdict(cfg),
+    )
     if config_hash(saved, exclude=RUNTIME_KEYS) != config_hash(mine, exclude=RUNTIME_KEYS):
         ours, theirs = flatten(mine), flatten(saved)
         differ = sorted(k for k in set(ours) | set(theirs) if k not in RUNTIME_KEYS and ours.get(k) != theirs.get(k))

@@ -65,7 +65,7 @@ def train(cfg: TrainConfig, interrupt_after_steps: int = 0) -> Path:
     check_writable(run_dir, "run_dir")
     check_writable(Path(cfg.output_dir).resolve().parent, "the directory of output_dir")
     check_resumable(cfg, run_dir)
-    check_output_dir(cfg.output_dir, dataclasses.asdict(cfg), RUNTIME_KEYS, cfg.overwrite)  # before hours of training
+    check_output_dir(cfg.output_dir, dataclasses.asdict(cfg), RUNTIME_KEYS, cfg.overwrite, dataclasses.asdict(TrainConfig()))
     accelerator = make_accelerator(cfg, run_dir)
     config_text = resolved_recipe(cfg)
     target, tokenizer = load_frozen_target(cfg, accelerator.device)
