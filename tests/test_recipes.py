@@ -47,8 +47,18 @@ def test_engine_check_recipes_validate(path):
     assert config.proposers and config.engine.requirements
 
 
+@pytest.mark.parametrize("path", sorted((RECIPES / "eval").glob("engine_bench_*.yaml")), ids=lambda p: p.name)
+def test_engine_bench_recipes_validate(path):
+    from draftsmith.verify.evaluation.engine_bench import EngineBenchConfig
+
+    config = EngineBenchConfig.from_yaml(path)
+    assert config.proposers and len(config.concurrency) >= 2
+
+
 @pytest.mark.parametrize(
-    "path", sorted(p for p in (RECIPES / "eval").glob("*.yaml") if not p.name.startswith("engine_check")), ids=lambda p: p.name
+    "path",
+    sorted(p for p in (RECIPES / "eval").glob("*.yaml") if not p.name.startswith(("engine_check", "engine_bench"))),
+    ids=lambda p: p.name,
 )
 def test_eval_recipes_validate(path):
     assert EvalConfig.from_yaml(path).domains

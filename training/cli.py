@@ -1,4 +1,4 @@
-"""The ``draftsmith`` console script: generate, eval, demo, export, engine-check, train, capture and calibrate.
+"""The ``draftsmith`` console script: generate, eval, demo, export, engine-check, engine-bench, train, capture and calibrate.
 
 It sits at the top of the stack because it reaches every layer; each command's work lives
 in its layer (``verify``, ``verify.evaluation``, ``training``), imported only when the
@@ -61,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     check.add_argument("--no-progress", action="store_true")
     check.set_defaults(run=run_engine_check)
+
+    bench = commands.add_parser(
+        "engine-bench", help="serve proposers in vLLM under rising concurrency (vllm bench serve); speedup curve and k schedule"
+    )
+    bench.add_argument("--config", required=True, help="engine-bench config YAML (see recipes/eval/engine_bench_demo.yaml)")
+    bench.add_argument("overrides", nargs="*", help="key=value overrides of the config")
+    bench.add_argument("--no-progress", action="store_true")
+    bench.set_defaults(run=run_engine_bench)
 
     demo = commands.add_parser("demo", help="build or reuse the offline demo target and evaluate every proposer on it")
     demo.add_argument("--quick", action="store_true", help="train the minutes-long quick target instead of using the shipped one")
@@ -199,6 +207,24 @@ def run_engine_check(args) -> int:
     if not summary["passed"]:
         print("draftsmith engine-check: FAILED (see the check column)", file=sys.stderr)
         return 1
+    return 0
+
+
+def run_engine_bench(args) -> int:
+    """Exit code 1 when the engine is unavailable or failed, 130 on Ctrl-C / SIGTERM (every server stopped either way)."""
+    from draftsmith.verify.evaluation.engine_bench import EngineBenchConfig, engine_bench
+    from draftsmith.verify.evaluation.engine_check import EngineUnavailable
+
+    config = EngineBenchConfig.from_yaml(args.config, args.overrides)
+    try:
+        summary = engine_bench(config, progress=not args.no_progress)
+    except EngineUnavailable as err:
+        print(f"draftsmith engine-bench: the engine is unavailable: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("draftsmith engine-bench: interrupted; every server it started is stopped", file=sys.stderr)
+        return 130
+    print_summary(summary)
     return 0
 
 

@@ -179,6 +179,11 @@ def run_engine(python: Path, setup: EngineSetup, job: dict, work: Path, name: st
     return json.loads(out_file.read_text())["requests"]
 
 
+def served_model(export, target: str) -> str:
+    """The directory the engine serves with ``export``: the target, or for MTP the export (the target written with its modules)."""
+    return str(export.model.absolute()) if export.model is not None else target
+
+
 def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
@@ -233,9 +238,9 @@ def engine_check(config: EngineCheckConfig, progress: bool = True) -> dict[str, 
     for name, export in {PLAIN: None, **served_exports}.items():
         if progress:
             print(f"engine: {name}", file=sys.stderr)
-        served = {"speculative_config": export.speculative_config} if export else {"speculative_config": None}
-        if export is not None and export.model is not None:  # MTP: the target written with its modules
-            served["model"] = str(export.model.absolute())
+        served = {"speculative_config": export.speculative_config if export else None}
+        if export is not None:
+            served["model"] = served_model(export, job["model"])
         engine[name] = run_engine(python, config.engine, {**job, **served}, logs, name)
     rows = compare(config, prompts, plain_tokens, engine, ours["rows"], controls)
     summary = {

@@ -1,0 +1,103 @@
+"""``engine-bench``'s Markdown tables and its plot of speedup against concurrency, from its summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .report import DPI, PLAIN_COLOR, method_color, plt
+
+TABLE_NOTE = (
+    "speedup: output tok/s over plain decoding's at the same concurrency (medians over repeats; in brackets the run-to-run "
+    "spread of that row's tok/s, (max - min) / median). Latencies in ms, p50 / p99 over the level's requests. acc. length: "
+    "1 + accepted tokens per drafting step; per position: the share of drafts accepted at depth 1, 2, ... memory: the server's "
+    "processes (proportional set size, peak over the sweep)."
+)
+
+
+def summary_table(summary: dict) -> str:
+    """Speedup by concurrency per row, the schedules against the static k, and every figure per row and level."""
+    levels = summary["config"]["concurrency"]
+    rows = summary["rows"]
+    cell = {(r["method"], r["concurrency"]): r for r in rows}
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    verdicts = summary["proposers"]
+    lines = ["| method | " + " | ".join(f"c={c}" for c in levels) + " | stops paying at |", "|---|" + "---:|" * len(levels) + "---|"]
+    for m in methods:
+        speeds = " | ".join(_speedup(cell[(m, c)]) for c in levels)
+        stop = verdicts[m]["stops_paying_at"] if m in verdicts else None
+        stop_text = "-" if m not in verdicts else ("pays at every level" if stop is None else f"c={stop}")
+        lines.append(f"| {m} | {speeds} | {stop_text} |")
+    out = ["\n".join(lines)]
+    scheduled = {name: v for name, v in verdicts.items() if "schedule_levels" in v}
+    if scheduled:
+        head = ["| proposer | schedule (batch sizes: k) | " + " | ".join(f"c={c}: of best / of worst" for c in levels) + " | holds |",
+                "|---|---|" + "---:|" * len(levels) + "---|"]  # fmt: skip
+        for name, v in scheduled.items():
+            at = v["schedule_levels"]
+            ratios = " | ".join(
+                f"{at[c]['of_best']:.2f} / {at[c]['of_worst']:.2f}" for c in (str(c) if str(c) in at else c for c in levels)
+            )
+            holds = "yes" if v["at_least_best_within_noise"] and v["faster_than_worst_overall"] else "no"
+            head.append(f"| {name} | {v['schedule_text']} | {ratios} | {holds} (tolerance {v['tolerance']:.0%}) |")
+        out.append("\n".join(head))
+    detail = [
+        "| method | c | tok/s | spread | TTFT p50 / p99 | TPOT p50 / p99 | ITL p50 / p99 | E2E p50 / p99 | acc. length "
+        "| per position | failed | memory MB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        lat = " | ".join(f"{r[f'p50_{n}_ms']:.0f} / {r[f'p99_{n}_ms']:.0f}" for n in ("ttft", "tpot", "itl", "e2el"))
+        acc = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
+        pos = "-" if not r["per_position_acceptance"] else " ".join(f"{v:.2f}" for v in r["per_position_acceptance"])
+        detail.append(f"| {r['method']} | {r['concurrency']} | {r['output_throughput']:.0f} | {r['throughput_spread']:.0%} | {lat} "
+                      f"| {acc} | {pos} | {r['failed']} | {r['peak_memory_bytes'] / 2**20:.0f} |")  # fmt: skip
+    out.append("\n".join(detail))
+    if summary.get("not_served"):
+        out.append(
+            "\n".join(f"- {name}: the engine failed to serve it: {why.splitlines()[0]}" for name, why in summary["not_served"].items())
+        )
+    return "\n\n".join(out) + "\n\n" + TABLE_NOTE + "\n"
+
+
+def _speedup(row: dict) -> str:
+    spread = f" ({row['throughput_spread']:.0%})" if row["repeats"] > 1 else ""
+    return f"{row['speedup']:.2f}x{spread}"
+
+
+def plot_speedup(summary: dict, path: Path) -> None:
+    """Speedup over plain against concurrency (log 2 axis): a solid line per proposer at its export's k, its schedule dashed.
+
+    Error bars span the repeats' lowest and highest speedup; extra static k are thin dotted lines.
+    """
+    levels = summary["config"]["concurrency"]
+    rows = [r for r in summary["rows"] if r["method"] != "plain"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    cell = {(r["method"], r["concurrency"]): r for r in rows}
+    fig, ax = plt.subplots(figsize=(9.0, 5.5), layout="constrained")
+    ax.axhline(1.0, color=PLAIN_COLOR, linestyle="--", linewidth=1.2, label="plain decoding (1.0)")
+    for m in methods:
+        first = cell[(m, levels[0])]
+        proposer, k = first["proposer"], first["k"]
+        values = [cell[(m, c)]["speedup"] for c in levels]
+        low = [v - min(cell[(m, c)]["speedups"]) for v, c in zip(values, levels, strict=True)]
+        high = [max(cell[(m, c)]["speedups"]) - v for v, c in zip(values, levels, strict=True)]
+        if k is None:
+            style = {"linestyle": "--", "marker": "s", "linewidth": 2.0, "markersize": 6, "markerfacecolor": "white"}
+        elif m == proposer:
+            style = {"linestyle": "-", "marker": "o", "linewidth": 2.2, "markersize": 6}
+        else:
+            style = {"linestyle": ":", "marker": ".", "linewidth": 1.2, "markersize": 5, "alpha": 0.8}
+        ax.errorbar(levels, values, yerr=[low, high], color=method_color(proposer), label=m, capsize=3, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.minorticks_off()
+    ax.set_xlabel("concurrency (requests in flight, vllm bench serve --max-concurrency)")
+    ax.set_ylabel("speedup vs plain (output tok/s)")
+    ax.grid(True, axis="y", alpha=0.3)
+    repeats = summary["noise"]["repeats"]
+    ax.set_title(
+        f"speculation under load in vLLM: median of {repeats} run(s), bars span the runs; below 1.0 it costs", loc="left", fontsize=10
+    )
+    fig.legend(loc="outside right upper", fontsize=8, frameon=False)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)

@@ -1,0 +1,365 @@
+"""Serving under load: every exported proposer in ``vllm serve``, driven by ``vllm bench serve`` at rising concurrency.
+
+``draftsmith engine-bench --config recipes/eval/engine_bench_demo.yaml`` exports each
+configured proposer (``Proposer.export``), serves the target on 127.0.0.1 plain and with each
+export (and each extra static k of ``k_values``) through ``vllm serve`` in the engine venv that
+``engine-check`` manages, and drives every server with vLLM's own load generator at each
+concurrency level: the same prompts (the domain files, as a ShareGPT-format dataset), the
+same output limit, greedy. It keeps the engine's figures (throughput, TTFT / TPOT / ITL /
+end-to-end p50 and p99, failed requests, acceptance length and per-position acceptance) and
+the memory of the server's processes, then derives per proposer the level from which
+speculation stops paying and the ``num_speculative_tokens_per_batch_size`` schedule the
+measurements support (``bench_schedule``), serves that schedule and measures it the same
+way. ``repeats`` runs everything again, for the run-to-run noise. Writes ``summary.json``,
+``table.md`` and ``speedup.png`` under ``output_dir``.
+
+Every server and load generator runs in a process group of its own and is stopped on
+success, failure, Ctrl-C and SIGTERM (``engine_server``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from draftsmith.proposers import load_proposer
+from draftsmith.proposers.core.config import build, load
+from draftsmith.proposers.core.errors import InputError
+from draftsmith.proposers.core.files import check_writable
+from draftsmith.proposers.core.models import context_limit
+
+from ..target import load_target
+from . import bench_schedule as bs
+from .bench_report import plot_speedup, summary_table
+from .engine_check import EngineSetup, EngineUnavailable, ensure_engine, served_model
+from .engine_server import EngineProcessError, Group, Server, clean_env, free_port, sigterm_as_interrupt
+from .evaluate import PLAIN, DomainFile, load_prompts
+
+CLI = Path(__file__).with_name("vllm_cli.py")
+
+
+@dataclass(frozen=True)
+class EngineBenchConfig:
+    """What to sweep; every key of the YAML file maps to one field (unknown keys fail).
+
+    Args:
+        target: directory of the target model and tokenizer.
+        domains: domain name -> prompt file (or ``{path, prompt_tokens, num_prompts}``), as in ``draftsmith eval``.
+        proposers: row name -> proposer config, exported and served at the k its export drafts.
+        concurrency: the load levels, requests in flight (``vllm bench serve --max-concurrency``).
+        num_requests: requests per level (the prompts, cycled).
+        num_prompts, prompt_tokens: prompts per domain and their length in tokens.
+        max_new_tokens: output tokens of every request (``ignore_eos``: exactly this many).
+        k_values: proposer row -> more static k to serve it with (each one more server).
+        schedules: rows whose schedule is derived and served (None: every proposer; []: none).
+        repeats: how many times the whole sweep runs (2 or more report the run-to-run noise).
+        temperature: 0 is greedy.
+        ignore_eos: keep generating past EOS, so that every request has the same output length.
+        warmup_requests: untimed requests before each level (``--num-warmups``).
+        max_num_seqs: the server's batch limit (None: the highest level); the schedule's last range ends there.
+        ready_timeout_s: the most a server may take to answer ``/health``.
+        bench_timeout_s: the most one server's sweep of every level may take.
+        output_dir: exports, the dataset, logs, results, summary.json, table.md, speedup.png.
+        engine: the engine's venv and process (``EngineSetup``, as in ``engine-check``; ``timeout_s`` unused).
+    """
+
+    target: str
+    domains: dict[str, str | DomainFile]
+    proposers: dict[str, dict[str, Any]]
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    num_requests: int = 32
+    num_prompts: int = 4
+    prompt_tokens: int = 128
+    max_new_tokens: int = 64
+    k_values: dict[str, list[int]] = field(default_factory=dict)
+    schedules: list[str] | None = None
+    repeats: int = 1
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    warmup_requests: int = 2
+    max_num_seqs: int | None = None
+    ready_timeout_s: int = 300
+    bench_timeout_s: int = 900
+    output_dir: str = "outputs/engine_bench"
+    engine: EngineSetup = field(default_factory=EngineSetup)
+
+    def __post_init__(self):
+        if not self.proposers:
+            raise InputError("'proposers' is empty; give at least one name: {type: ...} to export and serve")
+        if PLAIN in self.proposers:
+            raise InputError(f"the row name {PLAIN!r} is reserved for plain decoding")
+        levels = self.concurrency
+        if not levels or any(c < 1 for c in levels) or list(levels) != sorted(set(levels)):
+            raise InputError(f"concurrency must be increasing levels >= 1 (e.g. [1, 2, 4, 8, 16]), got {levels}")
+        for name in ("num_requests", "num_prompts", "prompt_tokens", "max_new_tokens", "repeats", "ready_timeout_s", "bench_timeout_s"):
+            if getattr(self, name) < 1:
+                raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup_requests < 0 or self.temperature < 0:
+            raise InputError(f"warmup_requests and temperature must be >= 0, got {self.warmup_requests} and {self.temperature}")
+        for key, names in (("k_values", list(self.k_values)), ("schedules", self.schedules or [])):
+            unknown = [n for n in names if n not in self.proposers]
+            if unknown:
+                raise InputError(f"{key} names {unknown}, which are not proposers; the proposers: {list(self.proposers)}")
+        bad = {name: ks for name, ks in self.k_values.items() if not ks or any(k < 1 for k in ks)}
+        if bad:
+            raise InputError(f"k_values must be lists of k >= 1 (k = 0, plain, is always served), got {bad}")
+        if self.max_num_seqs is not None and self.max_num_seqs < levels[-1]:
+            raise InputError(f"max_num_seqs {self.max_num_seqs} is below the highest concurrency level {levels[-1]}")
+
+    @property
+    def batch_limit(self) -> int:
+        return self.max_num_seqs or self.concurrency[-1]
+
+    @staticmethod
+    def from_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> EngineBenchConfig:
+        return load(EngineBenchConfig, path, overrides, what="engine-bench config")
+
+    @staticmethod
+    def from_dict(raw: dict[str, Any], where: str = "engine-bench config") -> EngineBenchConfig:
+        return build(EngineBenchConfig, raw, where)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """One server of the sweep: a row of the table.
+
+    Args:
+        name: the row (``plain``, ``ngram``, ``ngram k=3``, ``ngram schedule``).
+        proposer: the proposer row it serves (None: plain).
+        k: the k it drafts (0: plain; None: a schedule).
+        model: the directory ``vllm serve`` loads.
+        speculative_config: vLLM's, or None.
+    """
+
+    name: str
+    proposer: str | None
+    k: int | None
+    model: str
+    speculative_config: dict[str, Any] | None = None
+
+
+# --- the sweep -----------------------------------------------------------------------
+
+
+def engine_bench(config: EngineBenchConfig, progress: bool = True) -> dict[str, Any]:
+    """Export, serve, load, derive the schedules, serve them; write the summary, table and plot and return the summary."""
+    out = check_writable(config.output_dir, "output_dir").absolute()  # the load generator runs in its own directory
+    python = ensure_engine(config.engine)
+    model, tokenizer = load_target(config.target)
+    dataset = write_dataset(out / "dataset.json", load_prompts(config, model, tokenizer), tokenizer)
+    max_model_len = context_limit(model) or config.prompt_tokens + 2 * config.max_new_tokens
+    target = str(Path(config.target).absolute())
+    shutil.rmtree(out / "exports", ignore_errors=True)
+    servings, exports = [Serving(PLAIN, None, 0, target)], {}
+    for name, proposer_config in config.proposers.items():
+        export = load_proposer(proposer_config, target=model, tokenizer=tokenizer).export(out / "exports" / name, format="vllm")
+        exports[name] = export
+        own_k = int(export.speculative_config["num_speculative_tokens"])
+        for k in dict.fromkeys([own_k, *config.k_values.get(name, [])]):
+            label = name if k == own_k else f"{name} k={k}"
+            servings.append(
+                Serving(label, name, k, served_model(export, target), dict(export.speculative_config, num_speculative_tokens=k))
+            )
+    del model  # the engine has the machine to itself from here
+    run = Sweep(config, python, dataset, max_model_len, out, progress)
+    with sigterm_as_interrupt():
+        for repeat in range(config.repeats):
+            for serving in servings:
+                run.measure(serving, repeat)
+        schedules = {}
+        for name in [n for n in (config.schedules if config.schedules is not None else config.proposers) if n not in run.failed]:
+            by_k = run.throughputs([s for s in servings if s.proposer in (None, name) and s.name not in run.failed])
+            schedules[name] = bs.derive_schedule(by_k, config.concurrency, config.batch_limit)
+        scheduled = [
+            Serving(
+                f"{name} schedule", name, None, served_model(exports[name], target), bs.schedule_config(exports[name].speculative_config, s)
+            )
+            for name, s in schedules.items()
+        ]
+        for repeat in range(config.repeats):
+            for serving in scheduled:
+                run.measure(serving, repeat)
+    summary = summarize(config, servings + scheduled, run, schedules)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    summary["table"] = summary_table(summary)
+    (out / "table.md").write_text(summary["table"])
+    plot_speedup(summary, out / "speedup.png")
+    summary["paths"] = {name: str(out / name) for name in ("summary.json", "table.md", "speedup.png")}
+    return summary
+
+
+def write_dataset(path: Path, prompts, tokenizer) -> Path:
+    """The prompts as ``vllm bench serve``'s ShareGPT format (text; its output length comes from the command line)."""
+    rows = [
+        {"id": p.source, "conversations": [{"from": "human", "value": tokenizer.decode(p.input_ids[0], skip_special_tokens=True)},
+                                            {"from": "gpt", "value": ""}]}
+        for p in prompts
+    ]  # fmt: skip
+    path.write_text(json.dumps(rows))
+    return path
+
+
+class Sweep:
+    """Serves each ``Serving`` and loads it at every level; keeps the parsed results by row, level and repeat."""
+
+    def __init__(self, config: EngineBenchConfig, python: Path, dataset: Path, max_model_len: int, out: Path, progress: bool):
+        self.config, self.python, self.dataset, self.max_model_len, self.out, self.progress = (
+            config,
+            python,
+            dataset,
+            max_model_len,
+            out,
+            progress,
+        )
+        self.results: dict[str, dict[int, list[dict]]] = {}
+        self.servers: dict[str, list[dict]] = {}
+        self.failed: dict[str, str] = {}  # row -> why: a proposer the engine cannot serve is reported, the sweep goes on
+
+    def log(self, message: str) -> None:
+        if self.progress:
+            print(f"engine-bench: {message}", file=sys.stderr, flush=True)
+
+    def measure(self, serving: Serving, repeat: int) -> None:
+        """Serve ``serving`` and load it at every level; a proposer's failure is recorded (plain's raises)."""
+        if serving.name in self.failed:
+            return
+        try:
+            self._measure(serving, repeat)
+        except EngineUnavailable as err:
+            if serving.proposer is None:
+                raise
+            self.failed[serving.name] = str(err)
+            self.log(f"{serving.name} FAILED, left out: {str(err).splitlines()[0]}")
+
+    def _measure(self, serving: Serving, repeat: int) -> None:
+        config = self.config
+        work = self.out / "runs" / serving.name.replace(" ", "_").replace("=", "") / f"repeat{repeat}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        port = free_port()
+        command = [str(self.python), str(CLI), "serve", serving.model, "--host", "127.0.0.1", "--port", str(port)]
+        command += [
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-seqs",
+            str(config.batch_limit),
+            "--seed",
+            "0",
+        ]
+        command += ["--enforce-eager"] if config.engine.enforce_eager else []
+        command += ["--speculative-config", json.dumps(serving.speculative_config)] if serving.speculative_config else []
+        self.log(f"{serving.name} (repeat {repeat + 1}/{config.repeats}): serving on 127.0.0.1:{port}")
+        env = clean_env({"VLLM_CPU_KVCACHE_SPACE": str(config.engine.kv_cache_gib)})
+        server = Server(command, port, work / "server.log", env)
+        try:
+            ready_s = server.wait_ready(config.ready_timeout_s)
+            levels = ",".join(map(str, config.concurrency))
+            bench = Group([str(self.python), str(CLI), "bench-levels", levels, "result", "--", *self.bench_args(serving, server, work)],
+                          work / "bench.log", env, cwd=work)  # fmt: skip
+            bench.wait(config.bench_timeout_s, f"vllm bench serve against {serving.name!r}")
+        except EngineProcessError as err:
+            raise EngineUnavailable(str(err)) from None
+        finally:
+            server.stop()
+        self.servers.setdefault(serving.name, []).append({"ready_s": ready_s, "peak_memory_bytes": server.peak_bytes, "port": port})
+        for level in config.concurrency:
+            parsed = bs.parse_result(json.loads((work / f"result-{level}.json").read_text()))
+            self.results.setdefault(serving.name, {}).setdefault(level, []).append(parsed)
+        self.log(f"{serving.name}: " + ", ".join(f"c={c} {self.results[serving.name][c][-1]['output_throughput']:.0f} tok/s"
+                                                 for c in config.concurrency))  # fmt: skip
+
+    def bench_args(self, serving: Serving, server: Server, work: Path) -> list[str]:
+        config = self.config
+        args = ["--backend", "vllm", "--base-url", server.url, "--model", serving.model, "--tokenizer", serving.model]
+        args += ["--dataset-name", "sharegpt", "--dataset-path", str(self.dataset), "--sharegpt-output-len", str(config.max_new_tokens)]
+        args += ["--num-prompts", str(config.num_requests), "--temperature", str(config.temperature), "--seed", "0"]
+        args += [
+            "--num-warmups",
+            str(config.warmup_requests),
+            "--percentile-metrics",
+            "ttft,tpot,itl,e2el",
+            "--metric-percentiles",
+            "50,99",
+        ]
+        args += ["--save-result", "--result-dir", str(work), "--disable-tqdm", "--ready-check-timeout-sec", "0"]
+        return args + (["--ignore-eos"] if config.ignore_eos else [])
+
+    def throughputs(self, servings: list[Serving]) -> dict[int, dict[int, list[float]]]:
+        """k -> level -> output throughput per repeat, over ``servings`` (static ones)."""
+        return {s.k: {c: [r["output_throughput"] for r in runs] for c, runs in self.results[s.name].items()} for s in servings}
+
+
+# --- the summary ---------------------------------------------------------------------
+
+
+def summarize(config: EngineBenchConfig, servings: list[Serving], run: Sweep, schedules: dict[str, list]) -> dict[str, Any]:
+    """Rows (one per server and level: medians over repeats, their spread), per-proposer verdicts, the noise."""
+    plain = {c: bs.median([r["output_throughput"] for r in run.results[PLAIN][c]]) for c in config.concurrency}
+    rows = []
+    for s in [s for s in servings if s.name not in run.failed]:
+        for c in config.concurrency:
+            runs = run.results[s.name][c]
+            speeds = [r["output_throughput"] for r in runs]
+            row = {"method": s.name, "proposer": s.proposer, "k": s.k, "concurrency": c, "repeats": len(runs)}
+            for key in runs[0]:
+                values = [r[key] for r in runs]
+                if key in ("per_position_acceptance", "concurrency"):
+                    continue
+                row[key] = None if None in values else bs.median(values)
+            row["failed"] = sum(r["failed"] for r in runs)
+            row["speedup"] = row["output_throughput"] / plain[c]
+            row["speedups"] = [v / plain[c] for v in speeds]
+            row["throughput_spread"] = bs.spread(speeds)
+            positions = [r["per_position_acceptance"] for r in runs if r["per_position_acceptance"]]
+            row["per_position_acceptance"] = [bs.median(v) for v in zip(*positions, strict=False)] if positions else None
+            row["peak_memory_bytes"] = max(x["peak_memory_bytes"] for x in run.servers[s.name])
+            row["ready_s"] = bs.median([x["ready_s"] for x in run.servers[s.name]])
+            rows.append(row)
+    spreads = [r["throughput_spread"] for r in rows if r["repeats"] > 1]
+    noise = bs.median(spreads) if spreads else None
+    proposers = {
+        name: proposer_verdict(name, rows, config, schedules.get(name), noise) for name in config.proposers if name not in run.failed
+    }
+    return {
+        "config": asdict(config),
+        "servings": [asdict(s) for s in servings],
+        "rows": rows,
+        "noise": {"median_throughput_spread": noise, "max_throughput_spread": max(spreads) if spreads else None, "repeats": config.repeats},
+        "proposers": proposers,
+        "not_served": run.failed,
+    }
+
+
+def proposer_verdict(name: str, rows: list[dict], config: EngineBenchConfig, schedule: list | None, noise: float | None) -> dict[str, Any]:
+    """Where it stops paying; its schedule; whether the schedule served holds against the static k (within ``noise``)."""
+    cell = {(r["method"], r["concurrency"]): r for r in rows}
+    own = {c: cell[(name, c)]["speedup"] for c in config.concurrency}
+    verdict: dict[str, Any] = {"speedup": own, "stops_paying_at": bs.stops_paying(own), "pays_at": [c for c, v in own.items() if v > 1.0]}
+    if schedule is None:
+        return verdict
+    statics = [r for r in rows if (r["proposer"] == name and r["k"] is not None) or r["method"] == PLAIN]
+    tolerance = noise or 0.0
+    verdict |= {"schedule": [list(entry) for entry in schedule], "schedule_text": bs.format_schedule(schedule)}
+    if (f"{name} schedule", config.concurrency[0]) not in cell:
+        return verdict  # the engine failed to serve it (summary["not_served"])
+    levels = {}
+    for c in config.concurrency:
+        at = {r["method"]: r["output_throughput"] for r in statics if r["concurrency"] == c}
+        best, worst = max(at, key=at.get), min(at, key=at.get)
+        mine = cell[(f"{name} schedule", c)]["output_throughput"]
+        levels[c] = {"schedule": mine, "best_static": best, "best": at[best], "worst_static": worst, "worst": at[worst],
+                     "of_best": mine / at[best], "of_worst": mine / at[worst]}  # fmt: skip
+    verdict |= {
+        "schedule_levels": levels,
+        "tolerance": tolerance,
+        "at_least_best_within_noise": all(v["of_best"] >= 1.0 - tolerance for v in levels.values()),
+        "faster_than_worst_everywhere": all(v["of_worst"] > 1.0 for v in levels.values()),
+        "faster_than_worst_overall": sum(v["schedule"] for v in levels.values()) > sum(v["worst"] for v in levels.values()),
+    }
+    return verdict
