@@ -64,40 +64,59 @@ def _speedup(row: dict) -> str:
     return f"{row['speedup']:.2f}x{spread}"
 
 
-def plot_speedup(summary: dict, path: Path) -> None:
-    """Speedup over plain against concurrency (log 2 axis): a solid line per proposer at its export's k, its schedule dashed.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h", "<")  # one per proposer, so that close colours still tell apart
 
-    Error bars span the repeats' lowest and highest speedup; extra static k are thin dotted lines.
+
+def plot_speedup(summary: dict, path: Path) -> None:
+    """Speedup over plain against concurrency (log 2 axis), one line per proposer; its served schedule in a second panel.
+
+    Left: each export at its own k (solid), extra static k dotted. Right (when schedules were
+    served): each schedule, dashed, on the same scale. Bars span the repeats' lowest and highest speedup.
     """
     levels = summary["config"]["concurrency"]
     rows = [r for r in summary["rows"] if r["method"] != "plain"]
-    methods = list(dict.fromkeys(r["method"] for r in rows))
     cell = {(r["method"], r["concurrency"]): r for r in rows}
-    fig, ax = plt.subplots(figsize=(9.0, 5.5), layout="constrained")
-    ax.axhline(1.0, color=PLAIN_COLOR, linestyle="--", linewidth=1.2, label="plain decoding (1.0)")
-    for m in methods:
-        first = cell[(m, levels[0])]
-        proposer, k = first["proposer"], first["k"]
-        values = [cell[(m, c)]["speedup"] for c in levels]
-        low = [v - min(cell[(m, c)]["speedups"]) for v, c in zip(values, levels, strict=True)]
-        high = [max(cell[(m, c)]["speedups"]) - v for v, c in zip(values, levels, strict=True)]
-        if k is None:
-            style = {"linestyle": "--", "marker": "s", "linewidth": 2.0, "markersize": 6, "markerfacecolor": "white"}
-        elif m == proposer:
-            style = {"linestyle": "-", "marker": "o", "linewidth": 2.2, "markersize": 6}
-        else:
-            style = {"linestyle": ":", "marker": ".", "linewidth": 1.2, "markersize": 5, "alpha": 0.8}
-        ax.errorbar(levels, values, yerr=[low, high], color=method_color(proposer), label=m, capsize=3, **style)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(levels, [str(c) for c in levels])
-    ax.minorticks_off()
-    ax.set_xlabel("concurrency (requests in flight, vllm bench serve --max-concurrency)")
-    ax.set_ylabel("speedup vs plain (output tok/s)")
-    ax.grid(True, axis="y", alpha=0.3)
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    proposers = list(dict.fromkeys(r["proposer"] for r in rows))
+    marker = {name: MARKERS[i % len(MARKERS)] for i, name in enumerate(proposers)}
+    scheduled = [m for m in methods if cell[(m, levels[0])]["k"] is None]
+    panels = [("each export at its own k (dotted: other k)", [m for m in methods if m not in scheduled])]
+    panels += [("the schedule derived from the left, served", scheduled)] if scheduled else []
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels) + 2.2, 5.6), sharey=True, layout="constrained", squeeze=False)
+    for ax, (title, names) in zip(axes[0], panels, strict=True):
+        ax.axhline(1.0, color=PLAIN_COLOR, linestyle="--", linewidth=1.2)
+        for m in names:
+            _draw_line(ax, m, [cell[(m, c)] for c in levels], levels, marker)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.grid(True, alpha=0.3)
+        ax.set_title(title, loc="left", fontsize=10)
+    axes[0][0].set_ylabel("speedup over plain decoding (output tok/s); < 1: it costs")
     repeats = summary["noise"]["repeats"]
-    ax.set_title(
-        f"speculation under load in vLLM: median of {repeats} run(s), bars span the runs; below 1.0 it costs", loc="left", fontsize=10
-    )
-    fig.legend(loc="outside right upper", fontsize=8, frameon=False)
+    fig.suptitle(f"speculative decoding under load in vLLM (vllm bench serve), median of {repeats} run(s), bars span the runs", fontsize=11)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if scheduled:
+        more, more_labels = axes[0][-1].get_legend_handles_labels()
+        handles, labels = handles + more, labels + more_labels
+    handles.insert(0, plt.Line2D([], [], color=PLAIN_COLOR, linestyle="--"))
+    labels.insert(0, "plain decoding (1.0)")
+    fig.legend(handles, labels, loc="outside right upper", fontsize=8, frameon=False)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
+
+
+def _draw_line(ax, method: str, cells: list[dict], levels: list[int], marker: dict) -> None:
+    proposer, k = cells[0]["proposer"], cells[0]["k"]
+    values = [c["speedup"] for c in cells]
+    low = [v - min(c["speedups"]) for v, c in zip(values, cells, strict=True)]
+    high = [max(c["speedups"]) - v for v, c in zip(values, cells, strict=True)]
+    style = {"marker": marker[proposer], "markersize": 6, "capsize": 3}
+    if k is None:
+        style |= {"linestyle": "--", "linewidth": 2.0, "markerfacecolor": "white"}
+    elif method == proposer:
+        style |= {"linestyle": "-", "linewidth": 2.2}
+    else:
+        style |= {"linestyle": ":", "linewidth": 1.3, "markersize": 4, "alpha": 0.85}
+    ax.errorbar(levels, values, yerr=[low, high], color=method_color(proposer), label=method, **style)

@@ -60,6 +60,7 @@ class EngineBenchConfig:
         temperature: 0 is greedy.
         ignore_eos: keep generating past EOS, so that every request has the same output length.
         warmup_requests: untimed requests before each level (``--num-warmups``).
+        dtype: the server's ``--dtype`` (float32 on a CPU; bfloat16 or auto on a GPU).
         max_num_seqs: the server's batch limit (None: the highest level); the schedule's last range ends there.
         ready_timeout_s: the most a server may take to answer ``/health``.
         bench_timeout_s: the most one server's sweep of every level may take.
@@ -81,6 +82,7 @@ class EngineBenchConfig:
     temperature: float = 0.0
     ignore_eos: bool = True
     warmup_requests: int = 2
+    dtype: str = "float32"
     max_num_seqs: int | None = None
     ready_timeout_s: int = 300
     bench_timeout_s: int = 900
@@ -242,16 +244,8 @@ class Sweep:
         work.mkdir(parents=True)
         port = free_port()
         command = [str(self.python), str(CLI), "serve", serving.model, "--host", "127.0.0.1", "--port", str(port)]
-        command += [
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            str(self.max_model_len),
-            "--max-num-seqs",
-            str(config.batch_limit),
-            "--seed",
-            "0",
-        ]
+        command += ["--dtype", config.dtype, "--max-model-len", str(self.max_model_len)]
+        command += ["--max-num-seqs", str(config.batch_limit), "--seed", "0"]
         command += ["--enforce-eager"] if config.engine.enforce_eager else []
         command += ["--speculative-config", json.dumps(serving.speculative_config)] if serving.speculative_config else []
         self.log(f"{serving.name} (repeat {repeat + 1}/{config.repeats}): serving on 127.0.0.1:{port}")
