@@ -56,6 +56,8 @@ class EngineBenchConfig:
         max_new_tokens: output tokens of every request (``ignore_eos``: exactly this many).
         k_values: proposer row -> more static k to serve it with (each one more server).
         schedules: rows whose schedule is derived and served (None: every proposer; []: none).
+        schedules_from: an earlier run's ``summary.json``: serve its schedules in every repeat beside the
+            static rows (interleaved, so that drift in the machine's load hits both alike) instead of after them.
         repeats: how many times the whole sweep runs (2 or more report the run-to-run noise).
         temperature: 0 is greedy.
         ignore_eos: keep generating past EOS, so that every request has the same output length.
@@ -78,6 +80,7 @@ class EngineBenchConfig:
     max_new_tokens: int = 64
     k_values: dict[str, list[int]] = field(default_factory=dict)
     schedules: list[str] | None = None
+    schedules_from: str | None = None
     repeats: int = 1
     temperature: float = 0.0
     ignore_eos: bool = True
@@ -167,31 +170,50 @@ def engine_bench(config: EngineBenchConfig, progress: bool = True) -> dict[str, 
                 Serving(label, name, k, served_model(export, target), dict(export.speculative_config, num_speculative_tokens=k))
             )
     del model  # the engine has the machine to itself from here
+
+    def scheduled(name: str, schedule: list) -> Serving:
+        export = exports[name]
+        return Serving(
+            f"{name} schedule", name, None, served_model(export, target), bs.schedule_config(export.speculative_config, schedule)
+        )
+
+    wanted = config.schedules if config.schedules is not None else list(config.proposers)
+    given = {name: s for name, s in read_schedules(config.schedules_from).items() if name in wanted} if config.schedules_from else {}
+    first = servings + [scheduled(name, s) for name, s in given.items()]
     run = Sweep(config, python, dataset, max_model_len, out, progress)
     with sigterm_as_interrupt():
         for repeat in range(config.repeats):
-            for serving in servings:
+            for serving in first:
                 run.measure(serving, repeat)
-        schedules = {}
-        for name in [n for n in (config.schedules if config.schedules is not None else config.proposers) if n not in run.failed]:
+        derived = {}
+        for name in [n for n in wanted if n not in run.failed]:
             by_k = run.throughputs([s for s in servings if s.proposer in (None, name) and s.name not in run.failed])
-            schedules[name] = bs.derive_schedule(by_k, config.concurrency, config.batch_limit)
-        scheduled = [
-            Serving(
-                f"{name} schedule", name, None, served_model(exports[name], target), bs.schedule_config(exports[name].speculative_config, s)
-            )
-            for name, s in schedules.items()
-        ]
+            derived[name] = bs.derive_schedule(by_k, config.concurrency, config.batch_limit)
+        after = [scheduled(name, s) for name, s in derived.items() if name not in given]
         for repeat in range(config.repeats):
-            for serving in scheduled:
+            for serving in after:
                 run.measure(serving, repeat)
-    summary = summarize(config, servings + scheduled, run, schedules)
+    summary = summarize(config, first + after, run, {**derived, **given})
+    for name, schedule in derived.items():
+        summary["proposers"][name]["derived_schedule"] = bs.format_schedule(schedule)  # from this run (served: ``schedule``)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     summary["table"] = summary_table(summary)
     (out / "table.md").write_text(summary["table"])
     plot_speedup(summary, out / "speedup.png")
     summary["paths"] = {name: str(out / name) for name in ("summary.json", "table.md", "speedup.png")}
     return summary
+
+
+def read_schedules(path: str) -> dict[str, list[tuple[int, int, int]]]:
+    """Proposer row -> schedule, from an earlier run's ``summary.json`` (``proposers.<row>.schedule``)."""
+    try:
+        earlier = json.loads(Path(path).read_text())
+        found = {name: [tuple(entry) for entry in v["schedule"]] for name, v in earlier["proposers"].items() if "schedule" in v}
+        for schedule in found.values():
+            bs.check_schedule(schedule)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputError(f"schedules_from: {path} is not an engine-bench summary.json with schedules ({err})") from None
+    return found
 
 
 def write_dataset(path: Path, prompts, tokenizer) -> Path:

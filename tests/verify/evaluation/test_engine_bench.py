@@ -177,6 +177,17 @@ def test_the_summary_judges_the_schedule_against_the_best_and_worst_static_k_wit
     assert not eb.summarize(config, servings, slow, {"ngram": schedule})["proposers"]["ngram"]["at_least_best_within_noise"]
 
 
+def test_schedules_from_an_earlier_summary_are_read_and_checked(tmp_path):
+    earlier = tmp_path / "summary.json"
+    earlier.write_text(json.dumps({"proposers": {"ngram": {"schedule": [[1, 4, 5], [5, 16, 0]]}, "mtp": {"speedup": {}}}}))
+    assert eb.read_schedules(str(earlier)) == {"ngram": [(1, 4, 5), (5, 16, 0)]}
+    earlier.write_text(json.dumps({"proposers": {"ngram": {"schedule": [[2, 4, 5]]}}}))
+    with pytest.raises(InputError, match=r"schedules_from: .* is not an engine-bench summary.json with schedules \(.*must start at 1"):
+        eb.read_schedules(str(earlier))
+    with pytest.raises(InputError, match="schedules_from"):
+        eb.read_schedules(str(tmp_path / "missing.json"))
+
+
 def test_the_cli_exits_1_when_the_engine_fails_and_130_when_interrupted(tmp_path, monkeypatch, capsys):
     from draftsmith.training.cli import main
     from draftsmith.verify.evaluation.engine_check import EngineUnavailable
