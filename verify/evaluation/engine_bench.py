@@ -20,6 +20,7 @@ success, failure, Ctrl-C and SIGTERM (``engine_server``).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from dataclasses import asdict, dataclass, field
@@ -36,7 +37,7 @@ from ..target import load_target
 from . import bench_schedule as bs
 from .bench_report import plot_speedup, summary_table
 from .engine_check import EngineSetup, EngineUnavailable, ensure_engine, served_model
-from .engine_server import EngineProcessError, Group, Server, clean_env, free_port, sigterm_as_interrupt
+from .engine_server import EngineProcessError, Group, Server, clean_env, free_port, log_tail, sigterm_as_interrupt
 from .evaluate import PLAIN, DomainFile, load_prompts
 
 CLI = Path(__file__).with_name("vllm_cli.py")
@@ -216,6 +217,15 @@ def read_schedules(path: str) -> dict[str, list[tuple[int, int, int]]]:
     return found
 
 
+def first_error(log: Path) -> str:
+    """The first exception a server logged (``AssertionError``, ``RuntimeError: ...``): the root cause, before the errors it set off."""
+    messages = [line.rsplit("] ", 1)[-1].strip() for line in log_tail(log, 2000).splitlines()]
+    for i, message in enumerate(messages):
+        if re.match(r"^[\w.]*(Error|Exception)\b", message):
+            return " | ".join(m for m in messages[max(0, i - 3) : i + 1] if m.strip("^ "))  # with the frame that raised it
+    return log_tail(log, 3)
+
+
 def write_dataset(path: Path, prompts, tokenizer) -> Path:
     """The prompts as ``vllm bench serve``'s ShareGPT format (text; its output length comes from the command line)."""
     rows = [
@@ -284,9 +294,14 @@ class Sweep:
         finally:
             server.stop()
         self.servers.setdefault(serving.name, []).append({"ready_s": ready_s, "peak_memory_bytes": server.peak_bytes, "port": port})
-        for level in config.concurrency:
-            parsed = bs.parse_result(json.loads((work / f"result-{level}.json").read_text()))
-            self.results.setdefault(serving.name, {}).setdefault(level, []).append(parsed)
+        parsed = {level: bs.parse_result(json.loads((work / f"result-{level}.json").read_text())) for level in config.concurrency}
+        dead = [level for level, result in parsed.items() if result["completed"] == 0]
+        if dead:  # the engine died under it (vLLM's Medusa drafter, for one, asserts on a per-batch-size k)
+            raise EngineUnavailable(
+                f"no request completed at concurrency {dead[0]}; the server's first error: {first_error(work / 'server.log')}"
+            )
+        for level, result in parsed.items():
+            self.results.setdefault(serving.name, {}).setdefault(level, []).append(result)
         self.log(f"{serving.name}: " + ", ".join(f"c={c} {self.results[serving.name][c][-1]['output_throughput']:.0f} tok/s"
                                                  for c in config.concurrency))  # fmt: skip
 

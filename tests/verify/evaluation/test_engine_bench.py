@@ -188,6 +188,20 @@ def test_schedules_from_an_earlier_summary_are_read_and_checked(tmp_path):
         eb.read_schedules(str(tmp_path / "missing.json"))
 
 
+def test_a_dead_engines_root_cause_is_the_first_error_it_logged(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text(
+        "(APIServer pid=1) INFO 12-05 [api.py:1] ready\n"
+        '(Worker pid=2) ERROR 12-05 [multiproc_executor.py:1063]   File "vllm/v1/spec_decode/medusa.py", line 47, in propose\n'
+        "(Worker pid=2) ERROR 12-05 [multiproc_executor.py:1063]     assert num_speculative_tokens == self.num_speculative_tokens\n"
+        "(Worker pid=2) ERROR 12-05 [multiproc_executor.py:1063]            ^^^^^^^^^^^^^^^^\n"
+        "(Worker pid=2) ERROR 12-05 [multiproc_executor.py:1063] AssertionError\n"
+        "(APIServer pid=1) ERROR 12-05 [serving.py:500] vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n"
+    )
+    assert eb.first_error(log) == ('File "vllm/v1/spec_decode/medusa.py", line 47, in propose | '
+                                   "assert num_speculative_tokens == self.num_speculative_tokens | AssertionError")  # fmt: skip
+
+
 def test_the_cli_exits_1_when_the_engine_fails_and_130_when_interrupted(tmp_path, monkeypatch, capsys):
     from draftsmith.training.cli import main
     from draftsmith.verify.evaluation.engine_check import EngineUnavailable
