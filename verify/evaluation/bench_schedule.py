@@ -62,8 +62,10 @@ def median(values: Sequence[float]) -> float:
 
 
 def spread(values: Sequence[float]) -> float:
-    """(max - min) / median: 0 for one value."""
-    return (max(values) - min(values)) / statistics.median(values) if len(values) > 1 else 0.0
+    """(max - min) / median: 0 for one value or equal values."""
+    if len(values) < 2 or max(values) == min(values):
+        return 0.0
+    return (max(values) - min(values)) / max(statistics.median(values), 1e-9)
 
 
 def best_k(by_k: Mapping[int, Mapping[int, Sequence[float]]], level: int) -> int:

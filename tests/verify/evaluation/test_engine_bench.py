@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -313,6 +314,7 @@ def test_killed_mid_sweep_leaves_no_server_or_port_and_a_rerun_works(tmp_path):
         subprocess.run([sys.executable, "-m", "draftsmith.training.cli", "demo", "--domains-only"], cwd=REPO, check=True)
     out = tmp_path / "bench"
     for sig, moment in ((signal.SIGINT, "runs/plain/repeat0/bench.log"), (signal.SIGTERM, "runs/plain/repeat0/server.log")):
+        shutil.rmtree(out / "runs", ignore_errors=True)  # the moment to wait for is this run's file
         process, log = start(out)
         try:
             # the first run installs the engine (minutes)
