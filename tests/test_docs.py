@@ -91,6 +91,12 @@ def test_the_docs_are_in_place_and_the_readme_is_a_front_door():
     assert "pytest --slow" in readme and "draftsmith demo" in readme
 
 
+def test_ci_and_the_quickstart_run_the_readme_test_command_verbatim():
+    test_command = next(text for language, text, _ in blocks(REPO / "README.md") if language == "bash" and "pytest" in text).strip()
+    assert test_command in (REPO / ".ci" / "run").read_text()
+    assert test_command in (REPO / "docs" / "quickstart.md").read_text()
+
+
 RUNNABLE = [(path, text) for path in DOCS for language, text, marked in blocks(path) if marked and language == "python"]
 
 

@@ -166,14 +166,14 @@ FAST = {
 }
 
 
-# The device form (a GPU's) runs its chain and its sampled tree by default.
+# The host form runs the fast pairs by default and the whole grid with --slow. The device form
+# (a GPU's, the same arithmetic on every node at once) runs the fast pairs only, each shape once:
+# its chain and its sampled tree by default, the rest with --slow (on a GPU, gpu_check runs it).
 def grid(pairs, fast, device_fast=("chain", "sampled_tree_without_replacement")):
-    """Each pair with each sampler; slow unless the pair is fast and, for the device form, its shape is in ``device_fast``."""
-    return [
-        pytest.param(sampler, *pair, marks=() if pair in fast and (sampler == "host" or pair[0] in device_fast) else pytest.mark.slow)
-        for sampler in SAMPLERS
-        for pair in pairs
-    ]
+    """Each pair with the host sampler (slow unless fast); each fast pair with the device one (slow unless in ``device_fast``)."""
+    host = [pytest.param("host", *pair, marks=() if pair in fast else pytest.mark.slow) for pair in pairs]
+    device = [pytest.param("device", *pair, marks=() if pair[0] in device_fast else pytest.mark.slow) for pair in pairs if pair in fast]
+    return host + device
 
 
 @pytest.mark.parametrize("sampler, shape, sampling_name", grid([(shape, name) for shape in SHAPES for name in SAMPLINGS], FAST))
