@@ -81,7 +81,7 @@ def plot_speedup(summary: dict, path: Path) -> None:
     marker = {name: MARKERS[i % len(MARKERS)] for i, name in enumerate(proposers)}
     scheduled = [m for m in methods if cell[(m, levels[0])]["k"] is None]
     panels = [("each export at its own k (dotted: other k)", [m for m in methods if m not in scheduled])]
-    panels += [("the schedule derived from the left, served", scheduled)] if scheduled else []
+    panels += [("each proposer's batch-size schedule, served", scheduled)] if scheduled else []
     fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels) + 2.2, 5.6), sharey=True, layout="constrained", squeeze=False)
     for ax, (title, names) in zip(axes[0], panels, strict=True):
         ax.axhline(1.0, color=PLAIN_COLOR, linestyle="--", linewidth=1.2)
