@@ -36,7 +36,7 @@ from draftsmith.proposers.core.models import context_limit
 from ..target import load_target
 from . import bench_schedule as bs
 from .bench_report import plot_speedup, summary_table
-from .engine_check import EngineSetup, EngineUnavailable, ensure_engine, served_model
+from .engine_check import EngineSetup, EngineUnavailable, check_served_rows, ensure_engine, served_model
 from .engine_server import EngineProcessError, Group, Server, clean_env, free_port, log_tail, sigterm_as_interrupt
 from .evaluate import PLAIN, DomainFile, load_prompts
 
@@ -94,10 +94,7 @@ class EngineBenchConfig:
     engine: EngineSetup = field(default_factory=EngineSetup)
 
     def __post_init__(self):
-        if not self.proposers:
-            raise InputError("'proposers' is empty; give at least one name: {type: ...} to export and serve")
-        if PLAIN in self.proposers:
-            raise InputError(f"the row name {PLAIN!r} is reserved for plain decoding")
+        check_served_rows(self.proposers)
         levels = self.concurrency
         if not levels or any(c < 1 for c in levels) or list(levels) != sorted(set(levels)):
             raise InputError(f"concurrency must be increasing levels >= 1 (e.g. [1, 2, 4, 8, 16]), got {levels}")

@@ -54,6 +54,14 @@ MARKER = ".draftsmith-engine.json"  # in the venv: the requirements it was built
 NEAR_NOTHING = 0.25  # a control "accepts near nothing" when its gain (length - 1) is at most this share of the full export's
 
 
+def check_served_rows(proposers: dict[str, Any]) -> None:
+    """The proposers an engine config exports and serves: at least one, none named as plain decoding's row."""
+    if not proposers:
+        raise InputError("'proposers' is empty; give at least one name: {type: ...} to export and serve")
+    if PLAIN in proposers:
+        raise InputError(f"the row name {PLAIN!r} is reserved for plain decoding")
+
+
 class EngineUnavailable(RuntimeError):
     """The engine could not be installed or started; the message ends with its log."""
 
@@ -112,10 +120,7 @@ class EngineCheckConfig:
     engine: EngineSetup = field(default_factory=EngineSetup)
 
     def __post_init__(self):
-        if not self.proposers:
-            raise InputError("'proposers' is empty; give at least one name: {type: ...} to export and serve")
-        if PLAIN in self.proposers:
-            raise InputError(f"the row name {PLAIN!r} is reserved for plain decoding")
+        check_served_rows(self.proposers)
         if not 0.0 < self.tolerance < 1.0:
             raise InputError(f"tolerance must be in (0, 1), got {self.tolerance}")
 
