@@ -296,7 +296,11 @@ def start(out: Path) -> tuple[subprocess.Popen, Path]:
     log = out.with_suffix(".log")
     command = [sys.executable, "-m", "draftsmith.training.cli", "engine-bench", "--config", "recipes/eval/engine_bench_demo.yaml"]
     with open(log, "w") as stderr:
-        process = subprocess.Popen([*command, *SHORT, f"output_dir={out}"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr)
+        # SIGINT as a terminal gives it, even where this test runs in the background (which starts it ignored)
+        process = subprocess.Popen(
+            [*command, *SHORT, f"output_dir={out}"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )  # fmt: skip
     return process, log
 
 
