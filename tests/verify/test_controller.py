@@ -177,11 +177,8 @@ def test_the_rows_line_recovers_a_line():
     assert a == pytest.approx(2.0) and b == pytest.approx(0.25)
 
 
-class RandomChain(ProposerBase):
-    """Drafts 5 random tokens every step (the target accepts almost none); ``delay`` seconds of drafting when set."""
-
-    def __init__(self, vocab_size: int):
-        self.rng, self.vocab_size, self.delay = random.Random(0), vocab_size, 0.0
+class FiveDeepChain(ProposerBase):
+    """A test proposer drafting chains of up to 5 tokens from nothing but the committed tokens."""
 
     def draft_depth(self):
         return 5
@@ -191,6 +188,13 @@ class RandomChain(ProposerBase):
 
     def observe(self, result, features):
         pass
+
+
+class RandomChain(FiveDeepChain):
+    """Drafts 5 random tokens every step (the target accepts almost none); ``delay`` seconds of drafting when set."""
+
+    def __init__(self, vocab_size: int):
+        self.rng, self.vocab_size, self.delay = random.Random(0), vocab_size, 0.0
 
     def propose(self, context: ProposeContext) -> Draft:
         if self.delay:
@@ -226,20 +230,11 @@ def test_on_the_real_clock_random_drafts_go_plain_and_an_injected_delay_is_re_pl
     assert result.stats.steps > 24 and result.stats.planned_plain_steps >= result.stats.steps - 12, result.controller
 
 
-class Oracle(ProposerBase):
+class Oracle(FiveDeepChain):
     """Drafts the next 5 tokens of a known greedy continuation: every draft is accepted whole, whatever the machine's load."""
 
     def __init__(self, sequence: list[int], vocab_size: int):
         self.sequence, self.vocab_size = sequence, vocab_size
-
-    def draft_depth(self):
-        return 5
-
-    def begin(self, prompt, features):
-        pass
-
-    def observe(self, result, features):
-        pass
 
     def propose(self, context: ProposeContext) -> Draft:
         start = len(context.tokens)
