@@ -21,6 +21,15 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the arguments)\n")
 
 
+def config_command(commands, name: str, help: str, config_help: str, run) -> None:
+    """A command that runs one config YAML with key=value overrides, with a progress bar unless --no-progress."""
+    command = commands.add_parser(name, help=help)
+    command.add_argument("--config", required=True, help=config_help)
+    command.add_argument("overrides", nargs="*", help="key=value overrides of the config")
+    command.add_argument("--no-progress", action="store_true")
+    command.set_defaults(run=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="draftsmith", description="Speculative decoding for Hugging Face causal LMs.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -41,11 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--fixed", action="store_true", help="draft with the proposer's fixed config every step (no speculation controller)")
     gen.set_defaults(run=run_generate)
 
-    ev = commands.add_parser("eval", help="per-domain tau / speedup of proposers vs plain decoding (JSON, table, plots)")
-    ev.add_argument("--config", required=True, help="eval config YAML (see recipes/eval/*.yaml)")
-    ev.add_argument("overrides", nargs="*", help="key=value overrides of the config")
-    ev.add_argument("--no-progress", action="store_true")
-    ev.set_defaults(run=run_eval)
+    config_command(commands, "eval", "per-domain tau / speedup of proposers vs plain decoding (JSON, table, plots)",
+                   "eval config YAML (see recipes/eval/*.yaml)", run_eval)  # fmt: skip
 
     exp = commands.add_parser("export", help="write a trained proposer in a serving engine's layout and print how to serve it")
     exp.add_argument("--proposer", required=True, help="proposer config YAML ({type: medusa, model: DIR} ...)")
@@ -54,21 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--target", help="the target directory: checks the proposer against it and names it in the serve line")
     exp.set_defaults(run=run_export)
 
-    check = commands.add_parser(
-        "engine-check", help="export proposers, serve them in vLLM (its own venv) and compare with its plain run and with draftsmith"
-    )
-    check.add_argument("--config", required=True, help="engine-check config YAML (see recipes/eval/engine_check_demo.yaml)")
-    check.add_argument("overrides", nargs="*", help="key=value overrides of the config")
-    check.add_argument("--no-progress", action="store_true")
-    check.set_defaults(run=run_engine_check)
-
-    bench = commands.add_parser(
-        "engine-bench", help="serve proposers in vLLM under rising concurrency (vllm bench serve); speedup curve and k schedule"
-    )
-    bench.add_argument("--config", required=True, help="engine-bench config YAML (see recipes/eval/engine_bench_demo.yaml)")
-    bench.add_argument("overrides", nargs="*", help="key=value overrides of the config")
-    bench.add_argument("--no-progress", action="store_true")
-    bench.set_defaults(run=run_engine_bench)
+    config_command(commands, "engine-check",
+                   "export proposers, serve them in vLLM (its own venv) and compare with its plain run and with draftsmith",
+                   "engine-check config YAML (see recipes/eval/engine_check_demo.yaml)", run_engine_check)  # fmt: skip
+    config_command(commands, "engine-bench",
+                   "serve proposers in vLLM under rising concurrency (vllm bench serve); speedup curve and k schedule",
+                   "engine-bench config YAML (see recipes/eval/engine_bench_demo.yaml)", run_engine_bench)  # fmt: skip
 
     demo = commands.add_parser("demo", help="build or reuse the offline demo target and evaluate every proposer on it")
     demo.add_argument("--quick", action="store_true", help="train the minutes-long quick target instead of using the shipped one")
