@@ -57,10 +57,6 @@ def parse_result(raw: Mapping[str, Any]) -> dict[str, Any]:
     return figures
 
 
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values)
-
-
 def spread(values: Sequence[float]) -> float:
     """(max - min) / median: 0 for one value or equal values."""
     if len(values) < 2 or max(values) == min(values):
@@ -70,7 +66,7 @@ def spread(values: Sequence[float]) -> float:
 
 def best_k(by_k: Mapping[int, Mapping[int, Sequence[float]]], level: int) -> int:
     """The k with the highest median throughput at ``level`` (``by_k[k][level]``: one throughput per repeat); ties go to the smaller k."""
-    measured = {k: median(levels[level]) for k, levels in by_k.items() if levels.get(level)}
+    measured = {k: statistics.median(levels[level]) for k, levels in by_k.items() if levels.get(level)}
     if not measured:
         raise ValueError(f"nothing measured at concurrency {level}")
     return max(sorted(measured), key=lambda k: measured[k])

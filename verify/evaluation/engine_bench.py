@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -328,7 +329,7 @@ class Sweep:
 
 def summarize(config: EngineBenchConfig, servings: list[Serving], run: Sweep, schedules: dict[str, list]) -> dict[str, Any]:
     """Rows (one per server and level: medians over repeats, their spread), per-proposer verdicts, the noise."""
-    plain = {c: bs.median([r["output_throughput"] for r in run.results[PLAIN][c]]) for c in config.concurrency}
+    plain = {c: statistics.median([r["output_throughput"] for r in run.results[PLAIN][c]]) for c in config.concurrency}
     rows = []
     for s in [s for s in servings if s.name not in run.failed]:
         for c in config.concurrency:
@@ -339,18 +340,18 @@ def summarize(config: EngineBenchConfig, servings: list[Serving], run: Sweep, sc
                 values = [r[key] for r in runs]
                 if key in ("per_position_acceptance", "concurrency"):
                     continue
-                row[key] = None if None in values else bs.median(values)
+                row[key] = None if None in values else statistics.median(values)
             row["failed"] = sum(r["failed"] for r in runs)
             row["speedup"] = row["output_throughput"] / plain[c]
             row["speedups"] = [v / plain[c] for v in speeds]
             row["throughput_spread"] = bs.spread(speeds)
             positions = [r["per_position_acceptance"] for r in runs if r["per_position_acceptance"]]
-            row["per_position_acceptance"] = [bs.median(v) for v in zip(*positions, strict=False)] if positions else None
+            row["per_position_acceptance"] = [statistics.median(v) for v in zip(*positions, strict=False)] if positions else None
             row["peak_memory_bytes"] = max(x["peak_memory_bytes"] for x in run.servers[s.name])
-            row["ready_s"] = bs.median([x["ready_s"] for x in run.servers[s.name]])
+            row["ready_s"] = statistics.median([x["ready_s"] for x in run.servers[s.name]])
             rows.append(row)
     spreads = [r["throughput_spread"] for r in rows if r["repeats"] > 1]
-    noise = bs.median(spreads) if spreads else None
+    noise = statistics.median(spreads) if spreads else None
     proposers = {
         name: proposer_verdict(name, rows, config, schedules.get(name), noise) for name in config.proposers if name not in run.failed
     }

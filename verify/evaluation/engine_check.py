@@ -47,6 +47,7 @@ from draftsmith.proposers.core.models import context_limit
 from ..decoder import SpeculativeDecoder
 from ..target import load_target
 from .domains import Prompt
+from .engine_server import log_tail
 from .evaluate import PLAIN, DomainFile, EvalConfig, evaluate, load_prompts
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -161,7 +162,7 @@ def ensure_engine(setup: EngineSetup, log=print) -> Path:
             out.flush()
             code = subprocess.run(step, stdout=out, stderr=subprocess.STDOUT).returncode
             if code != 0:
-                raise EngineUnavailable(f"engine install step `{' '.join(step[2:])}` failed (exit {code}):\n{_tail(install_log)}")
+                raise EngineUnavailable(f"engine install step `{' '.join(step[2:])}` failed (exit {code}):\n{log_tail(install_log)}")
     write_text_atomic(marker, json.dumps(wanted))
     return python
 
@@ -180,17 +181,13 @@ def run_engine(python: Path, setup: EngineSetup, job: dict, work: Path, name: st
         except subprocess.TimeoutExpired:
             code = f"timeout after {setup.timeout_s} s"
     if code != 0 or not out_file.is_file():
-        raise EngineUnavailable(f"the engine's {name!r} run failed ({code}):\n{_tail(log_file)}")
+        raise EngineUnavailable(f"the engine's {name!r} run failed ({code}):\n{log_tail(log_file)}")
     return json.loads(out_file.read_text())["requests"]
 
 
 def served_model(export, target: str) -> str:
     """The directory the engine serves with ``export``: the target, or for MTP the export (the target written with its modules)."""
     return str(export.model.absolute()) if export.model is not None else target
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 # --- the check -----------------------------------------------------------------------
