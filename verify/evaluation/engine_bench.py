@@ -31,7 +31,7 @@ from typing import Any
 from draftsmith.proposers import load_proposer
 from draftsmith.proposers.core.config import build, load
 from draftsmith.proposers.core.errors import InputError
-from draftsmith.proposers.core.files import check_writable
+from draftsmith.proposers.core.files import check_writable, write_text_atomic
 from draftsmith.proposers.core.models import context_limit
 
 from ..target import load_target
@@ -195,9 +195,9 @@ def engine_bench(config: EngineBenchConfig, progress: bool = True) -> dict[str, 
     summary = summarize(config, first + after, run, {**derived, **given})
     for name, schedule in derived.items():
         summary["proposers"][name]["derived_schedule"] = bs.format_schedule(schedule)  # from this run (served: ``schedule``)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))
     summary["table"] = summary_table(summary)
-    (out / "table.md").write_text(summary["table"])
+    write_text_atomic(out / "table.md", summary["table"])
     plot_speedup(summary, out / "speedup.png")
     summary["paths"] = {name: str(out / name) for name in ("summary.json", "table.md", "speedup.png")}
     return summary
