@@ -25,7 +25,10 @@ the text, so the controller measures them itself while it decodes and decides pe
    over the rows); the outcome updates u_d, the rows per depth and the calibration bins. The
    running averages follow the context as it grows. A pause of the machine is not a cost:
    a step's rest counts as at most ``PAUSE_BOUND`` plain steps per verified row, and one
-   probe's loss is bounded too (``PROBE_STEP_BOUND``).
+   probe's loss counts for at most ``PROBE_LOSS_CAP`` plain steps, and the next probe is
+   priced at the median of the last few, so probes of a proposer that is off follow each
+   other at most some 400 plain steps apart (plus what catching up costs), whatever the
+   machine's pauses.
 
 A proposer that stopped paying is asked again now and then (a probe: two drafted steps,
 as often as a credit of 1% of the plain steps' time covers what probes lose, so they follow
@@ -43,8 +46,11 @@ decoding and sampled output keeps the target's distribution.
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from bisect import bisect_right
+from collections import deque
 from dataclasses import dataclass
 
 from draftsmith.proposers.core.tree import keep_nodes
@@ -59,12 +65,13 @@ SLOTS = len(CONFIDENCE_MIDS) + 1  # a bin per confidence range, and one for a no
 PRIORS = (0.5, *CONFIDENCE_MIDS) * DEPTH_BUCKETS  # each calibration bin's prior chance, bin = (depth bucket - 1) * SLOTS + slot
 DEFAULT_DEPTH = 8  # planned depths for a proposer that states no limit
 REFRESH_EVERY = 4  # drafted steps between recomputations of the plan's estimates (they move slowly)
-PLAIN_DRIFT = 0.02  # how far a plain step's cost moves before the estimates are recomputed for it
+PLAIN_DRIFT = 0.02  # how far (relative) a plain step's cost moves before the estimates are recomputed for it, at least
 PLAIN_EVERY = 64  # drafted steps between plain steps that keep the plain cost measured
 PLAIN_SAMPLES = 4  # until a plain step has been measured this often, every fourth step is one
 PROBE_BUDGET = 0.01  # the share of the plain steps' time that probes may lose, over what they win back
 PAUSE_BOUND = 2.0  # a step's rest beyond this many plain steps per verified row is counted as this many (a pause, not a cost)
-PROBE_STEP_BOUND = 2.0  # plain steps one probe may lose beyond its catching up and twice the probes' average loss
+PROBE_LOSS_CAP = 2.0  # plain steps one probe's loss beyond its catching up counts for at most (a pause inside it is not a cost)
+PROBE_HISTORY = 5  # the probes whose median loss prices the next one
 MARGIN = 0.05  # drafting must promise this much more than plain decoding: a tie is noise, and drafting's variance is not free
 
 
@@ -125,7 +132,8 @@ class Controller:
         self.bins: dict[str, list[list[float]]] = {}  # source -> per calibration bin [accepted, rejected], decayed
         self.plain_run, self.drafted_steps, self.probe_pending = 0, 0, False
         self.probe_credit = 0.0  # seconds probes may still lose: PROBE_BUDGET of every plain step, less what probes lost
-        self.probe_loss: float | None = None  # what a probe's two steps lose beyond their catching up (average; None: unknown)
+        self.probe_loss: float | None = None  # what a probe's two steps lose beyond their catching up (median; None: unknown)
+        self._probe_losses: deque[float] = deque(maxlen=PROBE_HISTORY)  # the last probes' losses, each capped
         self._probe = (0.0, 0, 0.0)  # the probe under way: (its catching up as priced, tokens, seconds)
         self.since_plain, self.plain_samples = PLAIN_SAMPLES, 0  # the first step is a plain one
         self.missed: int | None = None  # positions committed by plain steps since the last draft (None: the whole context)
@@ -140,6 +148,7 @@ class Controller:
         self._chances: dict[str, list[float]] = {}  # source -> each bin's chance, until its bins are next updated
         self.observed = 0  # drafted steps observed
         self._estimated_plain = 0.0  # the plain step's cost the estimates were computed with
+        self._headroom = float("inf")  # how far (log) that cost may move before a plain decision of theirs could turn (``_decide``)
 
     # -- costs ---------------------------------------------------------------------------
 
@@ -166,7 +175,7 @@ class Controller:
             per_row = self._row_costs()[1]
             self._estimates = [shape.estimate(self.drafted_steps, self.plain_seconds, per_row, self.draft_scale) for shape in self.shapes]
             self._estimated_plain = self.plain_seconds or 0.0
-            self._decisions = {}
+            self._decisions, self._headroom = {}, float("inf")
         decision = self._decisions.get(deepest)
         if decision is None:
             decision = self._decisions[deepest] = self._decide(deepest)
@@ -210,11 +219,22 @@ class Controller:
         return best, best_rate
 
     def _decide(self, deepest: int) -> tuple[int, int, int]:
-        """(the depth to plan, 0 for a plain step; its shape; the best drafting depth of that shape) from the estimates."""
+        """(the depth to plan, 0 for a plain step; its shape; the best drafting depth of that shape) from the estimates.
+
+        A decision turns when drafting's best rate times a plain step's cost crosses
+        ``1 + MARGIN``. A step planned at D costs a plain step plus what D adds, so a plain step
+        dearer by a factor f moves that product by about f at most: the decision's distance from
+        the bar (in log) is the headroom a plain step's cost may drift before the estimates are
+        worth recomputing (most steps are plain ones where drafting does not pay).
+        """
         choices = [(*self._best_depth(shape, deepest), shape) for shape in range(len(self.shapes))]
         drafting, rate, shape = max(choices, key=lambda choice: choice[1])  # the first shape (the chain) on a tie
         plain = self.plain_seconds
-        return (drafting if plain is None or rate * plain > 1.0 + MARGIN else 0), shape, drafting
+        if plain is None:
+            return drafting, shape, drafting
+        if 0 < rate < float("inf"):
+            self._headroom = min(self._headroom, abs(math.log(rate * plain / (1.0 + MARGIN))))
+        return (drafting if rate * plain > 1.0 + MARGIN else 0), shape, drafting
 
     def _plan(self, depth: int, shape: int, probe: bool = False, whole: bool = False) -> Plan:
         return Plan(depth, probe, whole, shape, self.shapes[shape].width)
@@ -273,8 +293,9 @@ class Controller:
         chances = self._chances.get(source) or self._chance_table(source)
         value = [0.0] * n
         for i, parent in enumerate(parents):
+            bucket = depths[i] if depths[i] < DEPTH_BUCKETS else DEPTH_BUCKETS
             slot = 0 if scores is None else 1 + bisect_right(CONFIDENCE_EDGES, scores[i])
-            value[i] = chances[(min(depths[i], DEPTH_BUCKETS) - 1) * SLOTS + slot] * (value[parent] if parent >= 0 else 1.0)
+            value[i] = chances[(bucket - 1) * SLOTS + slot] * (value[parent] if parent >= 0 else 1.0)
         order = sorted(range(n), key=value.__getitem__, reverse=True)  # stable: a parent (not less likely, earlier) first
         best_k, best_rate, expected = 0, 1.0 / self.plain_seconds, 1.0
         for k, node in enumerate(order, start=1):
@@ -316,7 +337,9 @@ class Controller:
             rest = min(rest, PAUSE_BOUND * self.plain_seconds * (draft.num_nodes + 1))
         if plan.depth == 0:  # the estimates follow a plain step's cost only when it has moved (most steps may be plain ones)
             self.plain_seconds = average(self.plain_seconds, rest)
-            if self._estimates is not None and abs(self.plain_seconds - self._estimated_plain) > PLAIN_DRIFT * self._estimated_plain:
+            if self._estimates is not None and (
+                not self._estimated_plain or abs(math.log(self.plain_seconds / self._estimated_plain)) > max(PLAIN_DRIFT, self._headroom)
+            ):
                 self._estimates = None
             if self.missed is not None:
                 self.missed += len(result.committed)
@@ -353,19 +376,20 @@ class Controller:
         self._probe = (priced, before + tokens, spent + seconds)
         if self.probe_pending or self.plain_seconds is None:
             return  # the first of the two
-        lost = spent + seconds - (before + tokens) * self.plain_seconds
-        # One probe moves the budget a bounded step: a pause of the machine inside it (tens of
-        # ms) would otherwise hold the next probe back for thousands of plain steps. A
-        # proposer that truly loses more gets there over a few probes (the bound doubles).
-        lost = min(lost, priced + 2.0 * max(self.probe_loss or 0.0, 0.0) + PROBE_STEP_BOUND * self.plain_seconds)
+        # A pause of the machine inside a probe (tens of ms) is not what drafting costs: one probe's
+        # loss counts for at most PROBE_LOSS_CAP plain steps, and the next probe is priced at the
+        # median of the last few, so neither a pause nor a run of them holds probing back for
+        # thousands of steps. A proposer that truly loses more is still asked at most ~1% of the time.
+        beyond = min(spent + seconds - (before + tokens) * self.plain_seconds - priced, PROBE_LOSS_CAP * self.plain_seconds)
+        lost = priced + beyond
         self.probe_credit = min(self.probe_credit - lost, max(lost, self.plain_seconds))  # a win buys the next probe, not a hoard
-        beyond = lost - priced
-        self.probe_loss = beyond if self.probe_loss is None else 0.5 * (self.probe_loss + beyond)
+        self._probe_losses.append(beyond)
+        self.probe_loss = statistics.median(self._probe_losses)
 
     def _learn_bins(self, draft: Draft, result: VerifyResult, greedy: bool) -> None:
         parents, scores, depths, source = draft.parent_list, draft.scores, draft.depth_list, draft.source or ""
-        self._chances.pop(source, None)
         bins = self.bins.get(source) or self.bins.setdefault(source, [[0.0, 0.0] for _ in PRIORS])
+        table = self._chances.get(source) or self._chance_table(source)  # kept up to date bin by bin below
         accepted = set(result.accepted_nodes)
         chosen = {parents[node]: node for node in result.accepted_nodes}  # parent -> its accepted child
         for node, parent in enumerate(parents):
@@ -374,10 +398,12 @@ class Controller:
             if not greedy and parent in chosen and node > chosen[parent]:
                 continue  # tested in order: a later sibling of the accepted child was not reached
             slot = 0 if scores is None else 1 + bisect_right(CONFIDENCE_EDGES, scores[node])
-            counts = bins[(min(depths[node], DEPTH_BUCKETS) - 1) * SLOTS + slot]
+            index = (min(depths[node], DEPTH_BUCKETS) - 1) * SLOTS + slot
+            counts = bins[index]
             hit = node in accepted
             counts[0] = 0.98 * counts[0] + hit
             counts[1] = 0.98 * counts[1] + (not hit)
+            table[index] = (counts[0] + 2.0 * PRIORS[index]) / (counts[0] + counts[1] + 2.0)
 
     # -- what it knows -------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 FIRST_PRIOR = 0.3  # the prior share of steps accepting a first draft token, worth one step of counts
 STALE = 0.97  # per drafted step, what a depth's counts keep while that depth is not drafted: its prior takes over again
 AVERAGE = 0.1  # the weight of a new measurement in a running cost average (a window of ~10 steps)
+_STALE_POWERS = tuple(STALE**gap for gap in range(256))  # STALE ** gap for the usual gaps, looked up rather than raised
 DRAFT_AVERAGE = 0.25  # the weight of a drafting measurement in the scale every depth's drafting cost shares
 
 
@@ -58,6 +59,7 @@ class ShapeEstimates:
         self.reached, self.accepted, self.rows = [0.0] * d, [0.0] * d, [0.0] * d  # decayed counts
         self.stamp = [0] * d  # the drafted step at which each depth's counts were last updated
         self.planned = [0] * d  # steps planned at each depth over the controller's life (index 0 unused)
+        self._near: tuple[list[int], list[int]] | None = None  # per depth, the nearest measured (drafting, verifying) depth
 
     @property
     def measured(self) -> bool:
@@ -69,14 +71,15 @@ class ShapeEstimates:
         A sequential drafter's cost grows with depth, one forward per level (and one to catch
         up): an unmeasured depth D costs the nearest measured depth k's times (D + 1) / (k + 1).
         """
-        seen = [(d, b * scale) for d, b in enumerate(self.draft_base) if b is not None]
+        near = self._nearest()[0]
         out = []
-        for depth, base in enumerate(self.draft_base):
-            if base is not None or not seen:
-                out.append(base * scale if base is not None else 0.0)
+        for depth, k in enumerate(near):
+            if k < 0:
+                out.append(0.0)
+            elif k == depth:
+                out.append(self.draft_base[depth] * scale)
             else:
-                near, seconds = min(seen, key=lambda item: abs(item[0] - depth))
-                out.append(seconds * (depth + 1) / (near + 1))
+                out.append(self.draft_base[k] * scale * (depth + 1) / (k + 1))
         return out
 
     def plan_costs(self, plain: float | None, per_row: float, scale: float, mean_rows: list[float]) -> list[float | None]:
@@ -86,17 +89,25 @@ class ShapeEstimates:
         ``per_row`` seconds, plus its drafting scaled by depth (``draft_costs``).
         """
         drafting = self.draft_costs(scale)
-        measured = [d for d in range(1, len(self.verify_seconds)) if self.verify_seconds[d] is not None]
+        verify = self.verify_seconds
+        near = self._nearest()[1]
+        if plain is None or near[0] < 0:
+            return [plain] + [None] * (len(verify) - 1)
         costs: list[float | None] = [plain]
-        for depth in range(1, len(self.verify_seconds)):
-            if plain is None or not measured:
-                costs.append(None)
-            elif self.verify_seconds[depth] is not None:
-                costs.append(plain + drafting[depth] + self.verify_seconds[depth])
-            else:
-                near = min(measured, key=lambda d: abs(d - depth))
-                costs.append(plain + drafting[depth] + self.verify_seconds[near] + per_row * (mean_rows[depth] - mean_rows[near]))
+        for depth in range(1, len(verify)):
+            k = near[depth]
+            step = plain + drafting[depth] + verify[k]
+            costs.append(step if k == depth else step + per_row * (mean_rows[depth] - mean_rows[k]))
         return costs
+
+    def _nearest(self) -> tuple[list[int], list[int]]:
+        """Per depth, the nearest depth whose drafting, and whose verifying, was measured (-1: none yet); kept until one more is."""
+        if self._near is None:
+            self._near = (
+                _nearest([b is not None for b in self.draft_base]),
+                _nearest([d > 0 and s is not None for d, s in enumerate(self.verify_seconds)]),
+            )
+        return self._near
 
     def estimate(self, now: int, plain: float | None, per_row: float, scale: float) -> tuple[list[float], list[float | None]]:
         """Per depth (index 0: a plain step): the share of steps whose accepted path reaches it, and a step's seconds.
@@ -107,13 +118,17 @@ class ShapeEstimates:
         """
         shares, mean_rows = [1.0], [0.0]
         prior, prior_rows, above = FIRST_PRIOR, 0.0, 1.0
-        for depth in range(1, len(self.reached)):
-            kept = STALE ** (now - self.stamp[depth])
-            seen = kept * self.reached[depth] + 1.0
-            share = (kept * self.accepted[depth] + prior) / seen
+        reached, accepted, rows, stamp = self.reached, self.accepted, self.rows, self.stamp  # locals: this runs every few steps
+        for depth in range(1, len(reached)):
+            gap = now - stamp[depth]
+            kept = _STALE_POWERS[gap] if gap < len(_STALE_POWERS) else STALE**gap
+            seen = kept * reached[depth] + 1.0
+            share = (kept * accepted[depth] + prior) / seen
             shares.append(share)
-            mean_rows.append((kept * self.rows[depth] + prior_rows + 1.0) / seen)
-            prior, prior_rows, above = share * min(max(share / above, 0.3), 0.95), mean_rows[-1], share
+            prior_rows = (kept * rows[depth] + prior_rows + 1.0) / seen
+            mean_rows.append(prior_rows)
+            ratio = share / above
+            prior, above = share * (0.3 if ratio < 0.3 else 0.95 if ratio > 0.95 else ratio), share
         return shares, self.plan_costs(plain, per_row, scale, mean_rows)
 
     def learn_depths(self, planned: int, depths: list[int], accepted: int, decay: float, now: int) -> None:
@@ -122,14 +137,15 @@ class ShapeEstimates:
         for d in depths:
             if d <= planned:
                 counts[d] += 1
-        rows = 0
+        rows, reached, accepted_counts, row_counts, stamp = 0, self.reached, self.accepted, self.rows, self.stamp
         for d in range(1, planned + 1):
-            kept = decay * STALE ** (now - self.stamp[d])
+            gap = now - stamp[d]
+            kept = decay * (_STALE_POWERS[gap] if gap < len(_STALE_POWERS) else STALE**gap)
             rows += counts[d]
-            self.reached[d] = kept * self.reached[d] + 1.0
-            self.accepted[d] = kept * self.accepted[d] + (1.0 if accepted >= d else 0.0)
-            self.rows[d] = kept * self.rows[d] + rows
-            self.stamp[d] = now
+            reached[d] = kept * reached[d] + 1.0
+            accepted_counts[d] = kept * accepted_counts[d] + (1.0 if accepted >= d else 0.0)
+            row_counts[d] = kept * row_counts[d] + rows
+            stamp[d] = now
 
     def learn_draft_cost(self, depth: int, seconds: float, scale: float) -> float:
         """Learn the drafting cost of ``depth``: a slow average per depth, times the shared scale; return the new scale.
@@ -144,11 +160,15 @@ class ShapeEstimates:
             ratio = seconds / expected
             scale *= ratio ** (DRAFT_AVERAGE if 0.25 < ratio < 4.0 else 2 * DRAFT_AVERAGE)  # a 4x change is rarely noise
         fresh = seconds / scale
+        if base is None:
+            self._near = None
         self.draft_base[depth] = fresh if base is None else (1.0 - AVERAGE) * base + AVERAGE * fresh
         return scale
 
     def learn_verify_cost(self, depth: int, extra: float) -> None:
         """Learn the rest of a step planned at ``depth`` beyond a plain step's."""
+        if self.verify_seconds[depth] is None:
+            self._near = None
         self.verify_seconds[depth] = average(self.verify_seconds[depth], extra)
 
     def snapshot(self, plain: float | None, per_row: float, scale: float) -> dict:
@@ -161,6 +181,20 @@ class ShapeEstimates:
             "accept_share_by_depth": [round(a / r, 3) if r else None for a, r in zip(self.accepted[1:], self.reached[1:], strict=True)],
             "planned_by_depth": self.planned[1:],
         }
+
+
+def _nearest(known: list[bool]) -> list[int]:
+    """For each index, the nearest index where ``known`` holds, the lower one on a tie (-1 everywhere when none does)."""
+    n, last, below = len(known), -1, []
+    for i in range(n):
+        last = i if known[i] else last
+        below.append(last)
+    out, last = [0] * n, -1
+    for i in range(n - 1, -1, -1):
+        last = i if known[i] else last
+        low = below[i]
+        out[i] = low if last < 0 or (low >= 0 and i - low <= last - i) else last
+    return out
 
 
 def average(known: float | None, new: float) -> float:

@@ -20,7 +20,7 @@ import torch
 
 from .devices import reads_are_free
 from .sampling import SamplingParams, sampled_children, sampled_children_at_once, top_k_rows
-from .types import Draft
+from .types import Draft, long_tensor
 
 # -- structure -------------------------------------------------------------------------
 
@@ -129,17 +129,23 @@ def keep_nodes(draft: Draft, keep: list[int]) -> Draft:
     if not keep:
         return Draft.empty()
     parents, tokens = draft.parent_list, draft.token_list  # small lists: cheaper than tensor indexing
+    k = len(keep)
+    if keep[-1] == k - 1:  # the first k nodes (ascending, distinct): the parents keep their numbers, and slices are views
+        probs = draft.draft_probs[:k] if draft.draft_probs is not None else None
+        scores = draft.scores[:k] if draft.scores is not None else None
+        kept = Draft(draft.token_ids[:k], draft.parents[:k], probs, draft.source, scores)
+        kept.__dict__["parent_list"], kept.__dict__["token_list"] = parents[:k], tokens[:k]
+        return kept
     new_index = {old: new for new, old in enumerate(keep)}
     new_parents = [new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep]
     probs = draft.draft_probs
     if probs is not None:
         probs = probs.index_select(0, torch.tensor(keep, dtype=torch.long, device=probs.device))
     scores = [draft.scores[i] for i in keep] if draft.scores is not None else None
-    kept = Draft(
-        torch.tensor([tokens[i] for i in keep], dtype=torch.long), torch.tensor(new_parents, dtype=torch.long), probs, draft.source, scores
-    )
+    new_tokens = [tokens[i] for i in keep]
+    kept = Draft(long_tensor(new_tokens), long_tensor(new_parents), probs, draft.source, scores)
     kept.__dict__["parent_list"] = new_parents  # the cached lists, known already (a frozen dataclass's cached_property slots)
-    kept.__dict__["token_list"] = [tokens[i] for i in keep]
+    kept.__dict__["token_list"] = new_tokens
     return kept
 
 

@@ -128,10 +128,10 @@ def test_a_proposer_that_turns_predictable_again_is_switched_back_on():
     assert sum(d > 0 for d in plans[resumed + 20 :]) >= 0.9 * len(plans[resumed + 20 :])
 
 
-def resumed_after_a_paused_probe(monkeypatch, bound: float) -> int:
+def resumed_after_a_paused_probe(monkeypatch, cap: float) -> int:
     """Random text for 200 steps with the machine pausing 50 plain steps inside the first probe after step 60, then a
-    repeated passage (0.95): the step where drafting resumes (5 drafted steps in a row), with ``PROBE_STEP_BOUND`` = ``bound``."""
-    monkeypatch.setattr(controller_module, "PROBE_STEP_BOUND", bound)
+    repeated passage (0.95): the step where drafting resumes (5 drafted steps in a row), with ``PROBE_LOSS_CAP`` = ``cap``."""
+    monkeypatch.setattr(controller_module, "PROBE_LOSS_CAP", cap)
     plans: list[Plan] = []
     paused = []
 
@@ -142,19 +142,43 @@ def resumed_after_a_paused_probe(monkeypatch, bound: float) -> int:
             rest += 50.0  # a pause of the machine, not the proposer's cost
         return drafting, rest
 
-    for plan in simulate(Controller(6), 900, lambda step, depth: 0.0 if step < 200 else 0.95, score=0.9, costs=costs):
+    for plan in simulate(Controller(6), 1500, lambda step, depth: 0.0 if step < 200 else 0.95, score=0.9, costs=costs):
         plans.append(plan)
     assert paused, "no probe after step 60"
     depths = [plan.depth for plan in plans]
-    return next((i for i in range(200, 900) if all(d > 0 for d in depths[i : i + 5])), 900)
+    return next((i for i in range(200, 1500) if all(d > 0 for d in depths[i : i + 5])), 1500)
 
 
 def test_a_pause_inside_a_probe_does_not_hold_the_next_probes_back(monkeypatch):
     """As the predictable-again test, with a 50-step pause inside one probe: drafting resumes within 350 steps of the
-    passage (the pause counts as a probe losing 3 plain steps, which the 1% credit wins back in about 300 plain steps).
-    Negative control: without the bound on what one probe loses, the pause holds probing back past step 900."""
-    assert resumed_after_a_paused_probe(monkeypatch, controller_module.PROBE_STEP_BOUND) <= 200 + 350
-    assert resumed_after_a_paused_probe(monkeypatch, float("inf")) >= 900
+    passage (the pause counts as a probe losing 2 plain steps beyond the 1% credit, which wins them back in about 200 plain steps,
+    some of them before the passage). Negative control: without the cap on what one probe loses, the pause holds probing
+    back past step 1000."""
+    assert resumed_after_a_paused_probe(monkeypatch, controller_module.PROBE_LOSS_CAP) <= 200 + 350
+    assert resumed_after_a_paused_probe(monkeypatch, float("inf")) >= 1000
+
+
+def test_pauses_inside_every_probe_still_leave_probing_bounded(monkeypatch):
+    """Random text throughout, and the machine pauses 50 plain steps inside every probe step (a loaded machine): each
+    probe counts as losing 2 plain steps at most and the next is priced at the median of the last five, so probes stay
+    at most 450 steps apart over 2000 steps. Negative control: without the cap the first pause stops probing for good."""
+
+    def probe_gaps(cap: float) -> list[int]:
+        monkeypatch.setattr(controller_module, "PROBE_LOSS_CAP", cap)
+        plans: list[Plan] = []
+
+        def costs(plan, draft):
+            drafting, rest = linear_costs()(plan, draft)
+            return drafting, rest + (50.0 if plan.probe and not plan.whole else 0.0)
+
+        for plan in simulate(Controller(6), 2000, lambda step, depth: 0.0, costs=costs):
+            plans.append(plan)
+        starts = [i for i, plan in enumerate(plans) if plan.probe and not (i and plans[i - 1].probe)]
+        return [b - a for a, b in zip([0, *starts], [*starts, len(plans)], strict=True)]
+
+    gaps = probe_gaps(controller_module.PROBE_LOSS_CAP)
+    assert len(gaps) >= 5 and max(gaps) <= 450, gaps
+    assert max(probe_gaps(float("inf"))) >= 1500
 
 
 def test_trimming_keeps_the_likely_nodes_closed_under_ancestors():
