@@ -4,18 +4,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .bench_verdict import K0_NOTE
 from .report import DPI, PLAIN_COLOR, method_color, plt
 
 TABLE_NOTE = (
     "speedup: output tok/s over plain decoding's at the same concurrency (medians over repeats; in brackets the run-to-run "
-    "spread of that row's tok/s, (max - min) / median). Latencies in ms, p50 / p99 over the level's requests. acc. length: "
-    "1 + accepted tokens per drafting step; per position: the share of drafts accepted at depth 1, 2, ... memory: the server's "
-    "processes (proportional set size, peak over the sweep)."
+    "spread of that row's tok/s, (max - min) / median). '<name> off': the export served with k = 0 at every batch size. "
+    "Schedules: the schedule's tok/s over the best / the worst static config with the drafter loaded (its k rows and its off "
+    "row); it holds when never below the best by more than the tolerance (the median spread) and faster than the worst over "
+    "the levels. Plain decoding: its tok/s over the fastest server with the drafter loaded (any k, off, the schedule); bold: "
+    "plain at least as fast; read a ratio within the spread as a tie. Latencies in ms, p50 / p99 over the level's requests. "
+    "acc. length: 1 + accepted tokens per drafting step; per position: the share of drafts accepted at depth 1, 2, ... memory: "
+    "the server's processes (proportional set size, peak over the sweep). " + K0_NOTE
 )
 
 
 def summary_table(summary: dict) -> str:
-    """Speedup by concurrency per row, the schedules against the static k, and every figure per row and level."""
+    """Speedup by concurrency per row, the schedules against the static configs, plain decoding against them all, every figure."""
     levels = summary["config"]["concurrency"]
     rows = summary["rows"]
     cell = {(r["method"], r["concurrency"]): r for r in rows}
@@ -33,13 +38,18 @@ def summary_table(summary: dict) -> str:
         head = ["| proposer | schedule (batch sizes: k) | " + " | ".join(f"c={c}: of best / of worst" for c in levels) + " | holds |",
                 "|---|---|" + "---:|" * len(levels) + "---|"]  # fmt: skip
         for name, v in scheduled.items():
-            at = v["schedule_levels"]
-            ratios = " | ".join(
-                f"{at[c]['of_best']:.2f} / {at[c]['of_worst']:.2f}" for c in (str(c) if str(c) in at else c for c in levels)
-            )
+            at = _by_level(v["schedule_levels"], levels)
+            ratios = " | ".join(f"{a['of_best']:.2f} / {a['of_worst']:.2f}" for a in at)
             holds = "yes" if v["at_least_best_within_noise"] and v["faster_than_worst_overall"] else "no"
             head.append(f"| {name} | {v['schedule_text']} | {ratios} | {holds} (tolerance {v['tolerance']:.0%}) |")
         out.append("\n".join(head))
+    plain = ["| plain decoding over the fastest server with | " + " | ".join(f"c={c}" for c in levels) + " | recommendation |",
+             "|---|" + "---:|" * len(levels) + "---|"]  # fmt: skip
+    for name, v in verdicts.items():
+        at = _by_level(v["against_plain"]["levels"], levels)
+        ratios = " | ".join(f"**{a['plain_over_best']:.2f}**" if a["plain_wins"] else f"{a['plain_over_best']:.2f}" for a in at)
+        plain.append(f"| {name}'s drafter | {ratios} | {v['against_plain']['recommendation']} |")
+    out.append("\n".join(plain))
     detail = [
         "| method | c | tok/s | spread | TTFT p50 / p99 | TPOT p50 / p99 | ITL p50 / p99 | E2E p50 / p99 | acc. length "
         "| per position | failed | memory MB |",
@@ -59,6 +69,11 @@ def summary_table(summary: dict) -> str:
     return "\n\n".join(out) + "\n\n" + TABLE_NOTE + "\n"
 
 
+def _by_level(by_level: dict, levels: list[int]) -> list[dict]:
+    """``by_level``'s entries in ``levels``' order, keyed by int or, read back from summary.json, by str."""
+    return [by_level[c] if c in by_level else by_level[str(c)] for c in levels]
+
+
 def _speedup(row: dict) -> str:
     spread = f" ({row['throughput_spread']:.0%})" if row["repeats"] > 1 else ""
     return f"{row['speedup']:.2f}x{spread}"
@@ -70,7 +85,8 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h", "<")  # one per proposer
 def plot_speedup(summary: dict, path: Path) -> None:
     """Speedup over plain against concurrency (log 2 axis), one line per proposer; its served schedule in a second panel.
 
-    Left: each export at its own k (solid), extra static k dotted. Right (when schedules were
+    Left: each export at its own k (solid), extra static k dotted, k = 0 with the drafter loaded
+    (``<name> off``) dash-dotted. Right (when schedules were
     served): each schedule, dashed, on the same scale. Bars span the repeats' lowest and highest speedup.
     """
     levels = summary["config"]["concurrency"]
@@ -80,7 +96,7 @@ def plot_speedup(summary: dict, path: Path) -> None:
     proposers = list(dict.fromkeys(r["proposer"] for r in rows))
     marker = {name: MARKERS[i % len(MARKERS)] for i, name in enumerate(proposers)}
     scheduled = [m for m in methods if cell[(m, levels[0])]["k"] is None]
-    panels = [("each export at its own k (dotted: other k)", [m for m in methods if m not in scheduled])]
+    panels = [("each export at its own k (dotted: other k; dash-dot: k = 0, drafter loaded)", [m for m in methods if m not in scheduled])]
     panels += [("each proposer's batch-size schedule, served", scheduled)] if scheduled else []
     fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels) + 2.2, 5.6), sharey=True, layout="constrained", squeeze=False)
     for ax, (title, names) in zip(axes[0], panels, strict=True):
@@ -115,6 +131,8 @@ def _draw_line(ax, method: str, cells: list[dict], levels: list[int], marker: di
     style = {"marker": marker[proposer], "markersize": 6, "capsize": 3}
     if k is None:
         style |= {"linestyle": "--", "linewidth": 2.0, "markerfacecolor": "white"}
+    elif cells[0].get("speculation_off"):
+        style |= {"linestyle": "-.", "linewidth": 1.3, "markersize": 4, "alpha": 0.85}
     elif method == proposer:
         style |= {"linestyle": "-", "linewidth": 2.2}
     else:

@@ -4,11 +4,13 @@
   sweep reports (throughput, TTFT / TPOT / ITL / end-to-end p50 and p99, failures, and the
   speculative-decoding block: acceptance length, per-position acceptance).
 - ``derive_schedule``: per concurrency level the k whose median output throughput is highest
-  (k = 0: plain decoding), as vLLM's ``num_speculative_tokens_per_batch_size``: inclusive
+  (k = 0: the export served with k = 0 throughout, or plain decoding where that was not
+  measured), as vLLM's ``num_speculative_tokens_per_batch_size``: inclusive
   ``(first batch size, last batch size, k)`` ranges from 1 up, a measured level ``c`` covering
   the batch sizes above the level below it up to ``c``, the last range up to the server's
   ``max_num_seqs``.
 - ``stops_paying``: the level from which a proposer never beats plain decoding again.
+- ``schedule_config``: the export's ``speculative_config`` serving a schedule.
 - ``spread``: the run-to-run noise of one figure, (max - min) / median over repeats.
 """
 
@@ -73,14 +75,19 @@ def best_k(by_k: Mapping[int, Mapping[int, Sequence[float]]], level: int) -> int
 
 
 def derive_schedule(by_k: Mapping[int, Mapping[int, Sequence[float]]], levels: Sequence[int], max_batch: int) -> list[tuple[int, int, int]]:
-    """vLLM's ``num_speculative_tokens_per_batch_size`` from throughputs ``by_k[k][level]`` (k = 0: plain).
+    """vLLM's ``num_speculative_tokens_per_batch_size`` from throughputs ``by_k[k][level]`` (one per repeat).
 
-    Level ``levels[i]`` covers batch sizes ``levels[i - 1] + 1 .. levels[i]`` (from 1 for the
-    first, up to ``max_batch`` for the last); neighbouring ranges with the same k merge.
+    ``by_k[0]`` is what k = 0 costs in the server the schedule runs in: the export served with
+    k = 0 at every batch size (``engine_bench.schedule_candidates`` gives ``<name> off`` where it
+    was measured), since vLLM 0.32 still runs a model drafter's forward where the schedule
+    says 0. Plain decoding's throughput stands for it only where no such row exists (an old
+    summary, ``off_rows: false``); a model drafter's schedule then expects more from k = 0 than
+    it gets. Level ``levels[i]`` covers batch sizes ``levels[i - 1] + 1 .. levels[i]`` (from 1
+    for the first, up to ``max_batch`` for the last); neighbouring ranges with the same k merge.
     """
     levels = sorted(levels)
     if 0 not in by_k:
-        raise ValueError("the schedule needs plain decoding measured (k = 0)")
+        raise ValueError("the schedule needs k = 0 measured (the export served with k = 0 throughout, or plain decoding)")
     if max_batch < levels[-1]:
         raise ValueError(f"max_batch {max_batch} is below the highest level {levels[-1]}")
     schedule: list[tuple[int, int, int]] = []

@@ -10,8 +10,11 @@ end-to-end p50 and p99, failed requests, acceptance length and per-position acce
 the memory of the server's processes, then derives per proposer the level from which
 speculation stops paying and the ``num_speculative_tokens_per_batch_size`` schedule the
 measurements support (``bench_schedule``), serves that schedule and measures it the same
-way. ``repeats`` runs everything again, for the run-to-run noise. Writes ``summary.json``,
-``table.md`` and ``speedup.png`` under ``output_dir``.
+way, and judges it and plain decoding (``bench_verdict``). A proposer whose schedule is
+derived is also served as ``<name> off``: its export with k = 0 at every batch size, which
+in vLLM 0.32 still runs a model drafter's forward; the schedule's k = 0 is measured there, not
+on plain decoding. ``repeats`` runs everything again, for the run-to-run noise. Writes
+``summary.json``, ``table.md`` and ``speedup.png`` under ``output_dir``.
 
 Every server and load generator runs in a process group of its own and is stopped on
 success, failure, Ctrl-C and SIGTERM (``engine_server``).
@@ -37,6 +40,7 @@ from draftsmith.proposers.core.models import context_limit
 from ..target import load_target
 from . import bench_schedule as bs
 from .bench_report import plot_speedup, summary_table
+from .bench_verdict import K0_NOTE, proposer_verdict
 from .engine_check import EngineSetup, EngineUnavailable, check_served_rows, ensure_engine, served_model
 from .engine_server import EngineProcessError, Group, Server, clean_env, free_port, log_tail, sigterm_as_interrupt
 from .evaluate import PLAIN, DomainFile, load_prompts
@@ -60,6 +64,9 @@ class EngineBenchConfig:
         schedules: rows whose schedule is derived and served (None: every proposer; []: none).
         schedules_from: an earlier run's ``summary.json``: serve its schedules in every repeat beside the
             static rows (interleaved, so that drift in the machine's load hits both alike) instead of after them.
+        off_rows: serve each row of ``schedules`` also as ``<row> off`` (k = 0 at every batch size, the drafter
+            loaded): what a schedule's k = 0 costs in vLLM 0.32, and what the derived schedules pick k = 0 from
+            (False: plain decoding's throughput stands for k = 0, which a model drafter's server does not reach).
         repeats: how many times the whole sweep runs (2 or more report the run-to-run noise).
         temperature: 0 is greedy.
         ignore_eos: keep generating past EOS, so that every request has the same output length.
@@ -83,6 +90,7 @@ class EngineBenchConfig:
     k_values: dict[str, list[int]] = field(default_factory=dict)
     schedules: list[str] | None = None
     schedules_from: str | None = None
+    off_rows: bool = True
     repeats: int = 1
     temperature: float = 0.0
     ignore_eos: bool = True
@@ -132,11 +140,13 @@ class Serving:
     """One server of the sweep: a row of the table.
 
     Args:
-        name: the row (``plain``, ``ngram``, ``ngram k=3``, ``ngram schedule``).
-        proposer: the proposer row it serves (None: plain).
-        k: the k it drafts (0: plain; None: a schedule).
+        name: the row (``plain``, ``ngram``, ``ngram k=3``, ``ngram off``, ``ngram schedule``).
+        proposer: the proposer row it serves (None: plain, no drafter loaded).
+        k: the k it drafts (0: plain or ``off``; None: a schedule).
         model: the directory ``vllm serve`` loads.
         speculative_config: vLLM's, or None.
+        speculation_off: the export served with k = 0 at every batch size (``<name> off``): its drafter
+            loaded and, for a model drafter in vLLM 0.32, run every step; plain decoding is False here.
     """
 
     name: str
@@ -144,6 +154,7 @@ class Serving:
     k: int | None
     model: str
     speculative_config: dict[str, Any] | None = None
+    speculation_off: bool = False
 
 
 # --- the sweep -----------------------------------------------------------------------
@@ -158,16 +169,13 @@ def engine_bench(config: EngineBenchConfig, progress: bool = True) -> dict[str, 
     max_model_len = context_limit(model) or config.prompt_tokens + 2 * config.max_new_tokens
     target = str(Path(config.target).absolute())
     shutil.rmtree(out / "exports", ignore_errors=True)
+    wanted = config.schedules if config.schedules is not None else list(config.proposers)
     servings, exports = [Serving(PLAIN, None, 0, target)], {}
     for name, proposer_config in config.proposers.items():
         export = load_proposer(proposer_config, target=model, tokenizer=tokenizer).export(out / "exports" / name, format="vllm")
         exports[name] = export
-        own_k = int(export.speculative_config["num_speculative_tokens"])
-        for k in dict.fromkeys([own_k, *config.k_values.get(name, [])]):
-            label = name if k == own_k else f"{name} k={k}"
-            servings.append(
-                Serving(label, name, k, served_model(export, target), dict(export.speculative_config, num_speculative_tokens=k))
-            )
+        off_batch = config.batch_limit if config.off_rows and name in wanted else None
+        servings += static_servings(name, export.speculative_config, served_model(export, target), config.k_values.get(name, []), off_batch)
     del model  # the engine has the machine to itself from here
 
     def scheduled(name: str, schedule: list) -> Serving:
@@ -176,7 +184,6 @@ def engine_bench(config: EngineBenchConfig, progress: bool = True) -> dict[str, 
             f"{name} schedule", name, None, served_model(export, target), bs.schedule_config(export.speculative_config, schedule)
         )
 
-    wanted = config.schedules if config.schedules is not None else list(config.proposers)
     given = {name: s for name, s in read_schedules(config.schedules_from).items() if name in wanted} if config.schedules_from else {}
     first = servings + [scheduled(name, s) for name, s in given.items()]
     run = Sweep(config, python, dataset, max_model_len, out, progress)
@@ -184,10 +191,11 @@ def engine_bench(config: EngineBenchConfig, progress: bool = True) -> dict[str, 
         for repeat in range(config.repeats):
             for serving in first:
                 run.measure(serving, repeat)
-        derived = {}
+        derived, k0_from = {}, {}
         for name in [n for n in wanted if n not in run.failed]:
-            by_k = run.throughputs([s for s in servings if s.proposer in (None, name) and s.name not in run.failed])
-            derived[name] = bs.derive_schedule(by_k, config.concurrency, config.batch_limit)
+            candidates = schedule_candidates(name, servings, run.failed)
+            derived[name] = bs.derive_schedule(run.throughputs(candidates), config.concurrency, config.batch_limit)
+            k0_from[name] = next(s.name for s in candidates if s.k == 0)
         after = [scheduled(name, s) for name, s in derived.items() if name not in given]
         for repeat in range(config.repeats):
             for serving in after:
@@ -195,12 +203,42 @@ def engine_bench(config: EngineBenchConfig, progress: bool = True) -> dict[str, 
     summary = summarize(config, first + after, run, {**derived, **given})
     for name, schedule in derived.items():
         summary["proposers"][name]["derived_schedule"] = bs.format_schedule(schedule)  # from this run (served: ``schedule``)
+        summary["proposers"][name]["derived_k0_from"] = k0_from[name]
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))
     summary["table"] = summary_table(summary)
     write_text_atomic(out / "table.md", summary["table"])
     plot_speedup(summary, out / "speedup.png")
     summary["paths"] = {name: str(out / name) for name in ("summary.json", "table.md", "speedup.png")}
     return summary
+
+
+def static_servings(name: str, speculative_config: dict[str, Any], model: str, k_values: list[int], off_batch: int | None) -> list[Serving]:
+    """``name``'s static rows: its export at its own k, at each of ``k_values``, and (``off_batch`` given) ``<name> off``.
+
+    ``<name> off`` serves the export with k = 0 at batch sizes 1 .. ``off_batch`` (an all-zero
+    ``num_speculative_tokens_per_batch_size``): nothing is drafted, but vLLM 0.32 still runs a
+    model drafter's forward every step, so this row, not plain decoding, is what k = 0 costs in
+    a speculative server. Every family gets it alike (for n-gram it should cost nothing).
+    """
+    own_k = int(speculative_config["num_speculative_tokens"])
+    rows = [
+        Serving(name if k == own_k else f"{name} k={k}", name, k, model, dict(speculative_config, num_speculative_tokens=k))
+        for k in dict.fromkeys([own_k, *k_values])
+    ]
+    if off_batch is not None:
+        off = bs.schedule_config(speculative_config, [(1, off_batch, 0)])
+        rows.append(Serving(f"{name} off", name, 0, model, off, speculation_off=True))
+    return rows
+
+
+def schedule_candidates(name: str, servings: list[Serving], failed: dict[str, str]) -> list[Serving]:
+    """The static rows ``name``'s schedule picks among: its k >= 1 and, for k = 0, ``<name> off`` where it was served.
+
+    Plain decoding stands for k = 0 only where no off row was served (``off_rows: false``, or the
+    engine failed to serve it): with a model drafter, a schedule's k = 0 runs slower than that.
+    """
+    mine = [s for s in servings if s.proposer == name and s.k is not None and s.name not in failed]
+    return mine if any(s.k == 0 for s in mine) else [s for s in servings if s.proposer is None] + mine
 
 
 def read_schedules(path: str) -> dict[str, list[tuple[int, int, int]]]:
@@ -320,7 +358,8 @@ class Sweep:
         return args + (["--ignore-eos"] if config.ignore_eos else [])
 
     def throughputs(self, servings: list[Serving]) -> dict[int, dict[int, list[float]]]:
-        """k -> level -> output throughput per repeat, over ``servings`` (static ones)."""
+        """k -> level -> output throughput per repeat, over ``servings`` (static ones, one per k)."""
+        assert len({s.k for s in servings}) == len(servings), [s.name for s in servings]
         return {s.k: {c: [r["output_throughput"] for r in runs] for c, runs in self.results[s.name].items()} for s in servings}
 
 
@@ -335,7 +374,8 @@ def summarize(config: EngineBenchConfig, servings: list[Serving], run: Sweep, sc
         for c in config.concurrency:
             runs = run.results[s.name][c]
             speeds = [r["output_throughput"] for r in runs]
-            row = {"method": s.name, "proposer": s.proposer, "k": s.k, "concurrency": c, "repeats": len(runs)}
+            row = {"method": s.name, "proposer": s.proposer, "k": s.k, "speculation_off": s.speculation_off, "concurrency": c,
+                   "repeats": len(runs)}  # fmt: skip
             for key in runs[0]:
                 values = [r[key] for r in runs]
                 if key in ("per_position_acceptance", "concurrency"):
@@ -353,7 +393,9 @@ def summarize(config: EngineBenchConfig, servings: list[Serving], run: Sweep, sc
     spreads = [r["throughput_spread"] for r in rows if r["repeats"] > 1]
     noise = statistics.median(spreads) if spreads else None
     proposers = {
-        name: proposer_verdict(name, rows, config, schedules.get(name), noise) for name in config.proposers if name not in run.failed
+        name: proposer_verdict(name, rows, config.concurrency, schedules.get(name), noise)
+        for name in config.proposers
+        if name not in run.failed
     }
     return {
         "config": asdict(config),
@@ -362,33 +404,5 @@ def summarize(config: EngineBenchConfig, servings: list[Serving], run: Sweep, sc
         "noise": {"median_throughput_spread": noise, "max_throughput_spread": max(spreads) if spreads else None, "repeats": config.repeats},
         "proposers": proposers,
         "not_served": run.failed,
+        "k0_note": K0_NOTE,
     }
-
-
-def proposer_verdict(name: str, rows: list[dict], config: EngineBenchConfig, schedule: list | None, noise: float | None) -> dict[str, Any]:
-    """Where it stops paying; its schedule; whether the schedule served holds against the static k (within ``noise``)."""
-    cell = {(r["method"], r["concurrency"]): r for r in rows}
-    own = {c: cell[(name, c)]["speedup"] for c in config.concurrency}
-    verdict: dict[str, Any] = {"speedup": own, "stops_paying_at": bs.stops_paying(own), "pays_at": [c for c, v in own.items() if v > 1.0]}
-    if schedule is None:
-        return verdict
-    statics = [r for r in rows if (r["proposer"] == name and r["k"] is not None) or r["method"] == PLAIN]
-    tolerance = noise or 0.0
-    verdict |= {"schedule": [list(entry) for entry in schedule], "schedule_text": bs.format_schedule(schedule)}
-    if (f"{name} schedule", config.concurrency[0]) not in cell:
-        return verdict  # the engine failed to serve it (summary["not_served"])
-    levels = {}
-    for c in config.concurrency:
-        at = {r["method"]: r["output_throughput"] for r in statics if r["concurrency"] == c}
-        best, worst = max(at, key=at.get), min(at, key=at.get)
-        mine = cell[(f"{name} schedule", c)]["output_throughput"]
-        levels[c] = {"schedule": mine, "best_static": best, "best": at[best], "worst_static": worst, "worst": at[worst],
-                     "of_best": mine / at[best], "of_worst": mine / at[worst]}  # fmt: skip
-    verdict |= {
-        "schedule_levels": levels,
-        "tolerance": tolerance,
-        "at_least_best_within_noise": all(v["of_best"] >= 1.0 - tolerance for v in levels.values()),
-        "faster_than_worst_everywhere": all(v["of_worst"] > 1.0 for v in levels.values()),
-        "faster_than_worst_overall": sum(v["schedule"] for v in levels.values()) > sum(v["worst"] for v in levels.values()),
-    }
-    return verdict

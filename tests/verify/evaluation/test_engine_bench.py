@@ -23,6 +23,7 @@ import draftsmith.verify.evaluation.engine_bench as eb
 from draftsmith.proposers.core.errors import InputError
 from draftsmith.verify.evaluation import bench_schedule as bs
 from draftsmith.verify.evaluation.bench_report import plot_speedup, summary_table
+from draftsmith.verify.evaluation.bench_verdict import against_plain
 from draftsmith.verify.evaluation.engine_server import EngineProcessError, Group, Server, group_pids, port_is_free
 
 DATA = Path(__file__).with_name("data")
@@ -86,7 +87,7 @@ def test_the_best_k_per_level_by_median_and_the_largest_k_caps_the_server():
             3: tps(c1=[180, 170, 175], c8=[510, 505, 900])}  # fmt: skip
     assert bs.derive_schedule(by_k, [1, 8], max_batch=16) == [(1, 1, 3), (2, 16, 1)]  # medians, not means: one outlier does not decide
     assert bs.schedule_config({"num_speculative_tokens": 5}, [(1, 1, 3), (2, 16, 1)])["num_speculative_tokens"] == 3
-    with pytest.raises(ValueError, match="plain decoding measured"):
+    with pytest.raises(ValueError, match="needs k = 0 measured"):
         bs.derive_schedule({1: by_k[1]}, [1, 8], max_batch=16)
 
 
@@ -156,25 +157,95 @@ def fake_sweep(config, results: dict[str, dict[int, list[float]]]) -> eb.Sweep:
     return run
 
 
-def test_the_summary_judges_the_schedule_against_the_best_and_worst_static_k_within_the_noise(tmp_path):
+def test_the_off_row_serves_the_export_with_k_0_at_every_batch_size_and_its_own_k():
+    export = {"method": "eagle3", "model": "x", "num_speculative_tokens": 5}
+    rows = eb.static_servings("eagle3", export, "t", [1, 3], off_batch=16)
+    assert [(s.name, s.k, s.speculation_off) for s in rows] == [("eagle3", 5, False), ("eagle3 k=1", 1, False), ("eagle3 k=3", 3, False),
+                                                                ("eagle3 off", 0, True)]  # fmt: skip
+    assert {s.proposer for s in rows} == {"eagle3"}
+    off = rows[-1].speculative_config
+    assert off == {**export, "num_speculative_tokens_per_batch_size": [[1, 16, 0]]}  # vLLM needs num_speculative_tokens above 0
+    bs.check_schedule(off["num_speculative_tokens_per_batch_size"])
+    assert json.loads(json.dumps(off)) == off  # what --speculative-config gets
+    assert rows[0].speculative_config == export and rows[1].speculative_config["num_speculative_tokens"] == 1
+    assert [s.name for s in eb.static_servings("eagle3", export, "t", [], off_batch=None)] == ["eagle3"]  # off_rows: false
+
+
+DRAFT = {**BASE, "proposers": {"draft": {"type": "draft_model", "model": "d"}}, "concurrency": [1, 16]}
+
+
+def test_the_schedules_k_0_is_the_off_row_where_it_was_served_and_plain_decoding_otherwise():
+    config = eb.EngineBenchConfig.from_dict(DRAFT)
+    plain = eb.Serving("plain", None, 0, "t")
+    servings = [plain, *eb.static_servings("draft", {"method": "draft_model", "model": "d", "num_speculative_tokens": 5}, "t", [], 16)]
+    # at 16, plain decoding beats k = 5, but k = 0 with the drafter loaded does not
+    run = fake_sweep(config, {"plain": {1: [100], 16: [800]}, "draft": {1: [200], 16: [700]}, "draft off": {1: [90], 16: [600]}})
+    candidates = eb.schedule_candidates("draft", servings, run.failed)
+    assert [s.name for s in candidates] == ["draft", "draft off"]
+    assert bs.derive_schedule(run.throughputs(candidates), [1, 16], 16) == [(1, 16, 5)]
+    for without_off in (eb.schedule_candidates("draft", servings[:2], {}), eb.schedule_candidates("draft", servings, {"draft off": "?"})):
+        assert [s.name for s in without_off] == ["plain", "draft"]  # the old reading: plain decoding stands for k = 0
+        assert bs.derive_schedule(run.throughputs(without_off), [1, 16], 16) == [(1, 1, 5), (2, 16, 0)]
+    with pytest.raises(AssertionError):
+        run.throughputs([plain, *servings[1:]])  # plain and the off row are both k = 0: one of them, never a silent pick
+
+
+def rows_of(throughputs: dict[str, dict[int, float]]) -> list[dict]:
+    """Summary rows (median tok/s per level) from method -> level -> tok/s; the proposer is the method's first word."""
+    return [{"method": m, "proposer": None if m == "plain" else m.split()[0], "concurrency": c, "output_throughput": v}
+            for m, levels in throughputs.items() for c, v in levels.items()]  # fmt: skip
+
+
+def test_plain_decoding_is_recommended_from_the_level_where_it_beats_every_speculative_config():
+    plain = {1: 100, 4: 300, 16: 800, 32: 1200}
+    rows = rows_of({"plain": plain, "draft": {1: 150, 4: 310, 16: 500, 32: 600}, "draft off": {1: 90, 4: 270, 16: 700, 32: 900},
+                    "draft schedule": {1: 148, 4: 305, 16: 690, 32: 880}})  # fmt: skip
+    verdict = against_plain("draft", rows, [1, 4, 16, 32])
+    assert verdict["plain_wins_from"] == 16 and verdict["recommendation"].startswith("serve without the drafter from concurrency 16 on")
+    assert [v["plain_wins"] for v in verdict["levels"].values()] == [False, False, True, True]
+    assert verdict["levels"][16]["best_speculative"] == "draft off" and verdict["levels"][16]["plain_over_best"] == pytest.approx(8 / 7)
+    # a win by no more than the noise is a tie: at 16 plain is 14% ahead, at 32 33%
+    assert "tie" not in verdict["recommendation"] and "tie" not in against_plain("draft", rows, [1, 4, 16, 32], 0.2)["recommendation"]
+    assert against_plain("draft", rows, [1, 4, 16, 32], 0.4)["recommendation"].endswith("noise, 40%: a tie)")
+    # a speculative config that beats plain at the highest level keeps the drafter, whatever it did below
+    rows += rows_of({"draft k=1": {1: 50, 4: 50, 16: 50, 32: 1250}})
+    kept = against_plain("draft", rows, [1, 4, 16, 32])
+    assert kept["plain_wins_from"] is None and kept["recommendation"].startswith("keep the drafter")
+    assert [v["plain_wins"] for v in kept["levels"].values()] == [False, False, True, False]
+    never = against_plain("ngram", rows_of({"plain": plain, "ngram": {c: 1.2 * v for c, v in plain.items()}}), [1, 4, 16, 32])
+    assert never["plain_wins_from"] is None and not any(v["plain_wins"] for v in never["levels"].values())
+    always = against_plain("draft", rows_of({"plain": plain, "draft": {c: 0.9 * v for c, v in plain.items()}}), [1, 4, 16, 32])
+    assert always["plain_wins_from"] == 1 and always["recommendation"].startswith("serve without the drafter: plain decoding")
+
+
+def test_the_summary_judges_the_schedule_against_the_static_configs_and_plain_decoding_apart(tmp_path):
     config = eb.EngineBenchConfig.from_dict({**BASE, "concurrency": [1, 16], "repeats": 2})
     run = fake_sweep(config, {"plain": {1: [100, 104], 16: [800, 820]}, "ngram": {1: [200, 196], 16: [700, 690]},
-                              "ngram schedule": {1: [198, 195], 16: [805, 790]}})  # fmt: skip
-    servings = [eb.Serving("plain", None, 0, "t"), eb.Serving("ngram", "ngram", 5, "t"), eb.Serving("ngram schedule", "ngram", None, "t")]
-    schedule = bs.derive_schedule(run.throughputs(servings[:2]), [1, 16], 16)
+                              "ngram off": {1: [101, 99], 16: [795, 805]}, "ngram schedule": {1: [198, 195], 16: [805, 790]}})  # fmt: skip
+    ngram = eb.static_servings("ngram", {"method": "ngram", "num_speculative_tokens": 5}, "t", [], 16)
+    servings = [eb.Serving("plain", None, 0, "t"), *ngram, eb.Serving("ngram schedule", "ngram", None, "t")]
+    schedule = bs.derive_schedule(run.throughputs(eb.schedule_candidates("ngram", servings, run.failed)), [1, 16], 16)
     assert schedule == [(1, 1, 5), (2, 16, 0)]
     summary = eb.summarize(config, servings, run, {"ngram": schedule})
     verdict = summary["proposers"]["ngram"]
     assert verdict["stops_paying_at"] == 16 and verdict["pays_at"] == [1]
-    assert summary["noise"]["median_throughput_spread"] == pytest.approx(0.0195, abs=2e-3)
-    assert verdict["schedule_levels"][16]["best_static"] == "plain" and verdict["schedule_levels"][1]["worst_static"] == "plain"
+    assert summary["noise"]["median_throughput_spread"] == pytest.approx(0.0194, abs=1e-3)
+    off_row = next(r for r in summary["rows"] if r["method"] == "ngram off")
+    assert off_row["k"] == 0 and off_row["speculation_off"] and off_row["proposer"] == "ngram"
+    assert not next(r for r in summary["rows"] if r["method"] == "plain")["speculation_off"]
+    # the static configs a speculative server can be: plain decoding is not one of them
+    assert verdict["compared_with"] == ["ngram", "ngram off"]
+    assert verdict["schedule_levels"][16]["best_static"] == "ngram off" and verdict["schedule_levels"][1]["worst_static"] == "ngram off"
     assert verdict["at_least_best_within_noise"] and verdict["faster_than_worst_everywhere"]
+    assert verdict["against_plain"]["plain_wins_from"] == 16 and "k = 0 turns drafting off, not the drafter" in summary["k0_note"]
     table = summary_table(summary)
     assert "| ngram | 1.94x (2%) | 0.86x (1%) | c=16 |" in table and "1-1: k=5, 2-16: off" in table
+    assert "| ngram's drafter | 0.52 | **1.01** | serve without the drafter from concurrency 16 on" in table
+    assert verdict["against_plain"]["recommendation"].endswith("noise, 2%: a tie)")  # n-gram's off row is plain decoding, within the noise
     plot_speedup(summary, tmp_path / "speedup.png")
     assert (tmp_path / "speedup.png").stat().st_size > 10_000
     slow = fake_sweep(config, {"plain": {1: [100, 104], 16: [800, 820]}, "ngram": {1: [200, 196], 16: [700, 690]},
-                               "ngram schedule": {1: [150, 150], 16: [805, 790]}})  # fmt: skip
+                               "ngram off": {1: [101, 99], 16: [795, 805]}, "ngram schedule": {1: [150, 150], 16: [805, 790]}})  # fmt: skip
     assert not eb.summarize(config, servings, slow, {"ngram": schedule})["proposers"]["ngram"]["at_least_best_within_noise"]
 
 
@@ -336,7 +407,8 @@ def test_killed_mid_sweep_leaves_no_server_or_port_and_a_rerun_works(tmp_path):
     process, log = start(out)
     assert process.wait(timeout=600) == 0, log.read_text()[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert [r["method"] for r in summary["rows"]] == ["plain", "plain", "ngram", "ngram", "ngram schedule", "ngram schedule"]
+    assert [r["method"] for r in summary["rows"]] == ["plain", "plain", "ngram", "ngram", "ngram off", "ngram off", "ngram schedule",
+                                                     "ngram schedule"]  # fmt: skip
     assert all(r["failed"] == 0 and r["completed"] == 4 for r in summary["rows"])
     ngram = [r for r in summary["rows"] if r["method"] == "ngram"]
     assert all(r["acceptance_length"] > 1.5 and len(r["per_position_acceptance"]) == 5 for r in ngram)  # the repeat domain: lookup pays
