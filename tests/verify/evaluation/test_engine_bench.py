@@ -384,7 +384,7 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
 
 @pytest.mark.slow
 def test_killed_mid_sweep_leaves_no_server_or_port_and_a_rerun_works(tmp_path):
-    """SIGINT while the load generator runs, SIGTERM while a server starts; then the short sweep runs to the end (about 3 min)."""
+    """SIGINT while the load generator runs, SIGTERM while a server starts; then the short sweep runs to the end (about 4 min)."""
     if not (REPO / "outputs/demo/domains/repeat.jsonl").is_file():
         subprocess.run([sys.executable, "-m", "draftsmith.training.cli", "demo", "--domains-only"], cwd=REPO, check=True)
     out = tmp_path / "bench"

@@ -1,0 +1,133 @@
+"""The speculation controller's own work per step, replayed: this tree's code against an earlier revision's, on the same calls.
+
+    python -m benchmarks.bench_controller_cost --baseline REV [--methods suffix,eagle3,...] [--prompts 4] [--repeats 9]
+
+Decodes a few demo prompts (code, prose, copy; 64 new tokens) with each method's shipped
+config and records every call the decoder makes to its controller (``start``, ``plan``,
+``trim``, ``observe``, with their arguments: the drafts, the verification results, the
+timings). Then replays those calls on fresh controllers of this tree and of ``--baseline``
+(``verify/controller.py`` and ``verify/estimates.py`` as that revision has them), alternating,
+and prints the median microseconds per step of each, their ratio, and whether both planned
+and trimmed alike. The replay times the controller alone (no model, no proposer), so the
+machine's noise in a decoding run is out of it; the decisions a replay makes are its own,
+while the drafts and outcomes it observes are the recording's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from draftsmith.proposers import load_proposer
+from draftsmith.training.demo.run import heldout_documents
+from draftsmith.verify import SpeculativeDecoder, load_target
+from draftsmith.verify import controller as current
+from draftsmith.verify.evaluation.demo import DEMO_PROPOSERS, DEMO_TARGET, build_domains, trained_drafts
+
+CALLS = ("start", "plan", "trim", "observe")
+
+
+def baseline_module(revision: str, folder: Path) -> ModuleType:
+    """``verify/controller.py`` at ``revision`` (with its ``estimates.py``), importable beside this tree's."""
+    package = folder / "baseline_verify"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for name in ("controller.py", "estimates.py"):
+        text = subprocess.run(["git", "show", f"{revision}:verify/{name}"], capture_output=True, text=True, check=True).stdout
+        (package / name).write_text(text)
+    sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location("baseline_verify.controller", package / "controller.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def record(target, tokenizer, config: dict, prompts: list[torch.Tensor]) -> tuple[tuple[int, int], list[tuple[str, tuple]]]:
+    """(the controller's constructor arguments, every call the decoder made to it) over ``prompts``."""
+    calls: list[tuple[str, tuple]] = []
+
+    class Recording(current.Controller):
+        pass
+
+    for name in CALLS:
+
+        def wrapper(self, *args, _name=name):
+            calls.append((_name, args))
+            return getattr(current.Controller, _name)(self, *args)
+
+        setattr(Recording, name, wrapper)
+    proposer = load_proposer(config, target=target, tokenizer=tokenizer)
+    shape = (proposer.draft_depth(), proposer.draft_width())
+    decoder = SpeculativeDecoder(target, proposer, controller=Recording(*shape))
+    for prompt in prompts:
+        decoder.generate(prompt, max_new_tokens=64)
+    return shape, calls
+
+
+def replay(module: ModuleType, shape: tuple[int, int], calls: list[tuple[str, tuple]]) -> tuple[float, list]:
+    """(seconds for the whole replay, what each plan and trim returned)."""
+    controller = module.Controller(*shape)
+    outcomes = []
+    tick = time.perf_counter()
+    for name, args in calls:
+        out = getattr(controller, name)(*args)
+        if name == "plan":
+            outcomes.append(out)
+        elif name == "trim":
+            outcomes.append(out[1])
+    return time.perf_counter() - tick, outcomes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", required=True, help="the git revision to compare with (a commit, a tag, HEAD~3)")
+    parser.add_argument("--methods", default="ngram_tree,suffix,suffix+draft,demo_draft,medusa,eagle2,eagle3,mtp")
+    parser.add_argument("--prompts", type=int, default=4, help="per domain (code, prose, copy)")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    target, tokenizer = load_target(DEMO_TARGET)
+    with tempfile.TemporaryDirectory() as folder:
+        written = build_domains(heldout_documents(DEMO_TARGET), Path(folder) / "domains", args.prompts, 4 * 128, 6 * 960)
+        prompts = [
+            tokenizer(json.loads(line)["prompt"], return_tensors="pt").input_ids[:, -128:]
+            for domain in ("code", "prose", "copy")
+            for line in Path(written[domain]).read_text().splitlines()[: args.prompts]
+        ]
+        old = baseline_module(args.baseline, Path(folder))
+        configs = {**DEMO_PROPOSERS, **trained_drafts(DEMO_TARGET)}
+        rows = []
+        print(f"| method | steps | {args.baseline} us/step | this tree us/step | ratio | same plans and trims |")
+        print("|---|---:|---:|---:|---:|---|")
+        for method in args.methods.split(","):
+            shape, calls = record(target, tokenizer, configs[method], prompts)
+            steps = sum(name == "observe" for name, _ in calls)
+            seconds: dict[str, list[float]] = {"baseline": [], "current": []}
+            decisions = {}
+            for repeat in range(args.repeats):
+                order = [("baseline", old), ("current", current)]
+                for label, module in order if repeat % 2 else order[::-1]:
+                    spent, decisions[label] = replay(module, shape, calls)
+                    seconds[label].append(spent / steps)
+            before, after = (1e6 * statistics.median(seconds[k]) for k in ("baseline", "current"))
+            same = decisions["baseline"] == decisions["current"]
+            rows.append({"method": method, "steps": steps, "baseline_us": before, "current_us": after, "same_decisions": same})
+            print(f"| {method} | {steps} | {before:.1f} | {after:.1f} | {after / before:.2f} | {'yes' if same else 'no'} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
