@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from draftsmith.proposers.core.tree import keep_nodes
 from draftsmith.proposers.core.types import Draft, VerifyResult
 
-from .estimates import RunningLine, ShapeEstimates, average
+from .estimates import RobustLine, RunningLine, ShapeEstimates, average
 
 CONFIDENCE_EDGES = (0.05, 0.15, 0.3, 0.5, 0.7, 0.85, 0.95)  # calibration bins of a node's own draft probability
 CONFIDENCE_MIDS = (0.025, 0.1, 0.225, 0.4, 0.6, 0.775, 0.9, 0.975)  # each bin's prior acceptance
@@ -72,6 +72,7 @@ PROBE_BUDGET = 0.01  # the share of the plain steps' time that probes may lose, 
 PAUSE_BOUND = 2.0  # a step's rest beyond this many plain steps per verified row is counted as this many (a pause, not a cost)
 PROBE_LOSS_CAP = 2.0  # plain steps one probe's loss beyond its catching up counts for at most (a pause inside it is not a cost)
 PROBE_HISTORY = 5  # the probes whose median loss prices the next one
+PROBE_CEILING = 1000  # plain steps in a row after which a proposer is probed whatever its estimated catching up costs
 MARGIN = 0.05  # drafting must promise this much more than plain decoding: a tie is noise, and drafting's variance is not free
 
 
@@ -137,7 +138,7 @@ class Controller:
         self._probe = (0.0, 0, 0.0)  # the probe under way: (its catching up as priced, tokens, seconds)
         self.since_plain, self.plain_samples = PLAIN_SAMPLES, 0  # the first step is a plain one
         self.missed: int | None = None  # positions committed by plain steps since the last draft (None: the whole context)
-        self.catch_up = RunningLine(0.9)  # what a draft costs beyond its drafting against the positions it catches up
+        self.catch_up = RobustLine()  # what a draft costs beyond its drafting against the positions it catches up
         self.plain_steps = 0  # steps planned plain, over the controller's life
         self.seconds = 0.0  # the controller's own work
         self._estimates: list[tuple[list[float], list[float | None]]] | None = (
@@ -261,7 +262,8 @@ class Controller:
             if self.plain_seconds is not None:
                 self.probe_credit += PROBE_BUDGET * self.plain_seconds
             expected_loss = catch_up + max(self.probe_loss or 0.0, 0.0)
-            if drafting and self.plain_run >= self.probe_every and self.probe_credit >= expected_loss:
+            due = self.probe_credit >= expected_loss or self.plain_run >= PROBE_CEILING  # the ceiling: whatever the estimates say
+            if drafting and self.plain_run >= self.probe_every and due:
                 self.plain_run, self.probe_pending, self._probe = 0, True, (catch_up, 0, 0.0)
                 return self._plan(drafting, shape, probe=True)
             return Plan(0)

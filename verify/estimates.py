@@ -9,6 +9,9 @@ which ``verify.controller.Controller`` keeps.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 FIRST_PRIOR = 0.3  # the prior share of steps accepting a first draft token, worth one step of counts
 STALE = 0.97  # per drafted step, what a depth's counts keep while that depth is not drafted: its prior takes over again
 AVERAGE = 0.1  # the weight of a new measurement in a running cost average (a window of ~10 steps)
@@ -39,6 +42,36 @@ class RunningLine:
         spread = self.xx / self.n - mean_x * mean_x
         slope = (self.xy / self.n - mean_x * mean_y) / spread if spread > 1e-9 else 0.0
         return mean_y - slope * mean_x, slope
+
+
+class RobustLine:
+    """``y ~ a + b x`` over the last ``keep`` points by Theil-Sen: the median of the pairwise slopes, the median intercept.
+
+    A pause of the machine inside one point moves it not at all (up to about a third of the
+    points may be wild), where least squares would let one point set the slope and so
+    the price of every larger x. Both coefficients are kept >= 0 (a cost).
+    """
+
+    def __init__(self, keep: int = 16):
+        self.points: deque[tuple[float, float]] = deque(maxlen=keep)
+        self._line: tuple[float, float] | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.points)
+
+    def update(self, x: float, y: float) -> None:
+        self.points.append((x, y))
+        self._line = None
+
+    def line(self) -> tuple[float, float]:
+        """(a, b); b is 0 until two points differ in x."""
+        if self._line is None:
+            points = list(self.points)
+            slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1 :] if x2 != x1]
+            slope = max(statistics.median(slopes), 0.0) if slopes else 0.0
+            self._line = max(statistics.median(y - slope * x for x, y in points), 0.0), slope
+        return self._line
 
 
 class ShapeEstimates:
