@@ -35,7 +35,8 @@ as often as a credit of 1% of the plain steps' time covers what probes lose, so 
 each other quickly when they win), and one that pays is now and then tried one depth
 deeper or in its other shape, so the controller follows the text when it turns
 predictable or stops being so. A draft after plain steps first feeds the proposer what
-they committed; that catching up is priced (a line in the positions) and must pay back.
+they committed; that catching up is priced (a robust line in the positions) and must pay
+back; after ``PROBE_CEILING`` plain steps in a row a probe comes whatever it is priced at.
 Its state lives across requests (costs are the machine's), with the acceptance side
 forgetting old steps quickly.
 
