@@ -208,7 +208,7 @@ def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
     names = list(methods)
     for index, prompt in enumerate(prompts):
         done = {}
-        for name in rotated(names, index):  # no method always runs first (or right after the same one)
+        for name in balanced_order(names, index):  # no method always runs first, or right after the same one
             done[name] = run_turns(methods[name], prompt, index, tokenizer)  # a question: every turn, on this method's answers
             bar.update()
         for turn, (plain_tokens, plain_record, _) in enumerate(done[PLAIN]):
@@ -225,15 +225,28 @@ def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
     return summary
 
 
-def rotated(names: list[str], index: int) -> list[str]:
-    """The methods in the order prompt ``index`` runs them: the row order turned by one per prompt.
+def balanced_order(names: list[str], index: int) -> list[str]:
+    """The methods in the order prompt ``index`` runs them: a row of a Williams design (a balanced Latin square).
 
     What runs just before a method (which weights are warm in the cache, what the allocator
-    holds) shifts its time by a few percent on a small CPU; turning the order spreads that over
-    every method instead of favouring whichever always goes first.
+    holds) shifts its time by a few percent on a small CPU. Turning one order by a prompt
+    each would move every method through every position but keep its predecessor: the
+    method after a large draft model would always pay for it. Over ``n`` consecutive prompts
+    (``2n`` for an odd number of methods) this design runs every method in every position
+    equally often and right after every other method equally often.
     """
-    shift = index % len(names)
-    return names[shift:] + names[:shift]
+    n = len(names)
+    if n < 3:
+        return names[index % n :] + names[: index % n]  # two methods: alternate which runs first
+    base, low, high = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...: every difference between neighbours once
+    while low <= high:
+        base.append(low)
+        if low != high:
+            base.append(high)
+        low, high = low + 1, high - 1
+    row = index % (n if n % 2 == 0 else 2 * n)
+    order = [names[(b + row) % n] for b in base]
+    return order if row < n else order[::-1]  # odd n: the mirrored square balances what the first one cannot
 
 
 def load_prompts(config, model, tokenizer, questions: bool = False) -> list[Prompt | Question]:

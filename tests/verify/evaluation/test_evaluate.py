@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -221,10 +222,40 @@ def test_the_table_shows_what_the_controller_chose_and_adaptive_false_keeps_the_
     assert rows[True]["ngram"]["identical"] == rows[False]["ngram"]["identical"] == "2/2"
 
 
+def _order_balance(order, n: int) -> tuple[Counter, Counter]:
+    """Over one full cycle of ``order`` for n methods: (how often each method runs at each position, each ordered neighbour pair)."""
+    names = [f"m{i}" for i in range(n)]
+    cycle = n if n % 2 == 0 else 2 * n
+    positions, pairs = Counter(), Counter()
+    for index in range(cycle):
+        row = order(names, index)
+        assert sorted(row) == sorted(names)  # every method once per prompt
+        positions.update(enumerate(row))
+        pairs.update(zip(row, row[1:], strict=False))
+    return positions, pairs
+
+
+@pytest.mark.parametrize("n", range(3, 16))
+def test_the_run_order_puts_every_method_everywhere_and_after_every_other_equally_often(n):
+    order = importlib.import_module("draftsmith.verify.evaluation.evaluate").balanced_order
+    positions, pairs = _order_balance(order, n)
+    times = 1 if n % 2 == 0 else 2
+    assert set(positions.values()) == {times} and len(positions) == n * n
+    assert set(pairs.values()) == {times} and len(pairs) == n * (n - 1)  # every ordered pair of neighbours, equally often
+
+    def turned(names, index):  # negative control: turning one order keeps every method's predecessor
+        shift = index % len(names)
+        return names[shift:] + names[:shift]
+
+    positions, pairs = _order_balance(turned, n)
+    assert set(positions.values()) == {1 if n % 2 == 0 else 2}  # positions balance...
+    assert len(pairs) == n  # ...but only the n pairs of the one cycle ever meet
+
+
 def test_each_prompt_turns_the_run_order_and_the_records_keep_the_row_order(tiny_target_dir, domain_files, tmp_path, monkeypatch):
     evaluate_module = importlib.import_module("draftsmith.verify.evaluation.evaluate")
-    assert evaluate_module.rotated(["a", "b", "c"], 0) == ["a", "b", "c"]
-    assert evaluate_module.rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
+    assert evaluate_module.balanced_order(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert evaluate_module.balanced_order(["a", "b"], 1) == ["b", "a"]
     calls = []
     build = evaluate_module.build_methods
 
