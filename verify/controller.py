@@ -105,11 +105,8 @@ class Controller:
         max_depth: the deepest the proposer drafts (``Proposer.draft_depth``; None: ``DEFAULT_DEPTH``).
         max_width: the most children it gives a node (``Proposer.draft_width``); above 1 a
             chain is one more shape to choose from, next to the proposer's tree.
-        decay: how much the acceptance side forgets per drafted step (0.95: a window of ~20
-            steps). A shorter window is noisy enough that a drafter that pays dips below the
-            bar now and then, and once off it is asked again only by probes: EAGLE-3 on the
-            demo's code and prose was plain on 79% of its steps with a window of ~8 (1.06x
-            plain), 1.24x with this one, where its best fixed chain ran 1.33-1.36x.
+        decay: how much the acceptance side forgets per drafted step (0.95: a window of ~20 steps; a
+            shorter one dips below the bar by chance, and a drafter that is off is asked again by probes only).
         probe_every: the fewest plain steps between probes (what they may lose sets the rest: ``PROBE_BUDGET``).
         explore_every: drafted steps between probes of the planned depth's neighbourhood (one
             depth deeper, or the other shape, and the whole draft verified so that the
