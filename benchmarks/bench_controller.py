@@ -201,12 +201,11 @@ def report_grid(rows: list[dict]) -> None:
                 best = max(fixed[run], key=fixed[run].get)
                 others = [o for o in tables if o != run]
                 held = max(fixed[run], key=lambda m: statistics.median(fixed[o][m] for o in others)) if others else best
-                counts["same run"].append(mine / fixed[run][best])
-                counts["other runs"].append(mine / fixed[run][held])
+                for label, config, cells in (("same run", best, cells_best), ("other runs", held, cells_held)):
+                    counts[label].append(mine / fixed[run][config])
+                    cells.append(f"{counts[label][-1]:.2f} ({config})")
                 counts["shipped"].append(mine / fixed[run]["shipped"])
-                cells_best.append(f"{mine / fixed[run][best]:.2f} ({best})")
-                cells_held.append(f"{mine / fixed[run][held]:.2f} ({held})")
-                cells_shipped.append(f"{mine / fixed[run]['shipped']:.2f}")
+                cells_shipped.append(f"{counts['shipped'][-1]:.2f}")
                 nodes.append(table["adaptive"]["nodes_per_step"] or 0)
                 plain.append(table["adaptive"]["plain_share"] or 0)
             print(

@@ -172,8 +172,8 @@ class ShapeEstimates:
                 counts[d] += 1
         rows, reached, accepted_counts, row_counts, stamp = 0, self.reached, self.accepted, self.rows, self.stamp
         for d in range(1, planned + 1):
-            gap = now - stamp[d] - 1  # drafted steps since this depth's last count that did not draft it (this one does)
-            kept = decay * (_STALE_POWERS[gap] if 0 <= gap < len(_STALE_POWERS) else STALE**gap if gap > 0 else 1.0)
+            gap = max(now - stamp[d] - 1, 0)  # drafted steps since this depth's last count that did not draft it (this one does)
+            kept = decay * (_STALE_POWERS[gap] if gap < len(_STALE_POWERS) else STALE**gap)
             rows += counts[d]
             reached[d] = kept * reached[d] + 1.0
             accepted_counts[d] = kept * accepted_counts[d] + (1.0 if accepted >= d else 0.0)

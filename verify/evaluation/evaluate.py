@@ -236,8 +236,6 @@ def balanced_order(names: list[str], index: int) -> list[str]:
     equally often and right after every other method equally often.
     """
     n = len(names)
-    if n < 3:
-        return names[index % n :] + names[: index % n]  # two methods: alternate which runs first
     base, low, high = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...: every difference between neighbours once
     while low <= high:
         base.append(low)
