@@ -28,7 +28,8 @@ the text, so the controller measures them itself while it decodes and decides pe
    probe's loss counts for at most ``PROBE_LOSS_CAP`` plain steps, and the next probe is
    priced at the median of the last few, so probes of a proposer that is off follow each
    other at most some 400 plain steps apart (plus what catching up costs), whatever the
-   machine's pauses.
+   machine's pauses; one step moves its depth's averages by a bounded amount, and no depth
+   is priced above a deeper one (``verify.estimates``).
 
 A proposer that stopped paying is asked again now and then (a probe: two drafted steps,
 as often as a credit of 1% of the plain steps' time covers what probes lose, so they follow
@@ -360,7 +361,7 @@ class Controller:
             elif shape.draft_base[plan.depth] is not None:  # a catch-up: what it cost beyond the drafting
                 self.catch_up.update(float(missed), max(draft_seconds - shape.draft_base[plan.depth] * self.draft_scale, 0.0))
             if self.plain_seconds is not None:
-                shape.learn_verify_cost(plan.depth, rest - self.plain_seconds)
+                shape.learn_verify_cost(plan.depth, rest - self.plain_seconds, self.plain_seconds)
             if draft.num_nodes:
                 self.rows_model.update(draft.num_nodes - 1.0, rest)
                 self._rows_cost = None

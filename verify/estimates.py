@@ -119,7 +119,9 @@ class ShapeEstimates:
         """Seconds of a step planned at each depth (index 0: ``plain``); None where nothing says yet.
 
         A depth not measured yet costs the nearest measured one's, plus its extra rows at
-        ``per_row`` seconds, plus its drafting scaled by depth (``draft_costs``).
+        ``per_row`` seconds, plus its drafting scaled by depth (``draft_costs``). No depth costs
+        more than a deeper one: each depth's average is its own few steps (a depth planned
+        seldom keeps a dear average long), and a shallower draft is a prefix of a deeper one.
         """
         drafting = self.draft_costs(scale)
         verify = self.verify_seconds
@@ -131,6 +133,8 @@ class ShapeEstimates:
             k = near[depth]
             step = plain + drafting[depth] + verify[k]
             costs.append(step if k == depth else step + per_row * (mean_rows[depth] - mean_rows[k]))
+        for depth in range(len(costs) - 2, 0, -1):  # a draft cut at a depth is a prefix of a deeper one: it costs no more
+            costs[depth] = min(costs[depth], costs[depth + 1])
         return costs
 
     def _nearest(self) -> tuple[list[int], list[int]]:
@@ -195,14 +199,26 @@ class ShapeEstimates:
         fresh = seconds / scale
         if base is None:
             self._near = None
+        else:  # at most twice the estimate: a pause moves a depth's cost by a tenth, the scale follows a real change
+            fresh = min(fresh, 2.0 * base)
         self.draft_base[depth] = fresh if base is None else (1.0 - AVERAGE) * base + AVERAGE * fresh
         return scale
 
-    def learn_verify_cost(self, depth: int, extra: float) -> None:
-        """Learn the rest of a step planned at ``depth`` beyond a plain step's."""
-        if self.verify_seconds[depth] is None:
+    def learn_verify_cost(self, depth: int, extra: float, plain: float) -> None:
+        """Learn the rest of a step planned at ``depth`` beyond a plain step's (``plain`` seconds).
+
+        One measurement counts for at most the estimate plus the larger of it and a plain step:
+        a pause of the machine inside a step (tens of plain steps) then moves that depth's cost
+        by a tenth of a plain step, not by a tenth of the pause. Unbounded, a depth planned
+        seldom (the one above the planned depth is explored every few dozen drafted steps) kept
+        such a cost for hundreds of steps, and the plan stayed a depth too shallow.
+        """
+        known = self.verify_seconds[depth]
+        if known is None:
             self._near = None
-        self.verify_seconds[depth] = average(self.verify_seconds[depth], extra)
+        else:
+            extra = min(extra, known + max(known, plain))
+        self.verify_seconds[depth] = average(known, extra)
 
     def snapshot(self, plain: float | None, per_row: float, scale: float) -> dict:
         """This shape's estimates in ms, and its acceptance per depth, for stats and tables."""
