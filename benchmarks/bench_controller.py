@@ -3,6 +3,7 @@
     python -m benchmarks.bench_controller --part demo [--runs 3] [--temperature 0.7] [--depth 32] [--json FILE]
     python -m benchmarks.bench_controller --part grid [--runs 3] [--domains code,prose,long] [--depth 32] [--json FILE]
     python -m benchmarks.bench_controller --part random [--runs 3] [--json FILE]
+    python -m benchmarks.bench_controller --depths 8=FILE 32=FILE   # what the controller drafted, per method and demo run
 
 - ``demo``: every demo domain and every demo method with the controller on (``adaptive``),
   each against plain decoding in the same evaluation (interleaved prompt by prompt). Per
@@ -222,9 +223,31 @@ def report_grid(rows: list[dict]) -> None:
         print(f"controller / shipped fixed: mean {statistics.mean(counts['shipped']):.2f} over {len(counts['shipped'])} cells")
 
 
+def report_depths(labelled: dict[str, list[dict]]) -> None:
+    """What the controller drafted per method on two or more demo runs (say 8 and 32 layers): every domain and run pooled.
+
+    Per file: the mean draft nodes verified per step, and the share of steps that drafted at
+    least 1, 2, 3, 4, 6 and 8 deep (``drafted_by_depth`` over the steps; at least 1 deep is
+    every step that was not a plain one).
+    """
+    depths = (1, 2, 3, 4, 6, 8)
+    print("| method | target | nodes/step | " + " | ".join(f">= {d} deep" for d in depths) + " |")
+    print("|---|---|---:|" + "---:|" * len(depths))
+    methods = dict.fromkeys(r["method"] for rows in labelled.values() for r in rows if r["method"] != "plain")
+    for method in methods:
+        for label, rows in labelled.items():
+            mine = [r for r in rows if r["method"] == method]
+            steps = sum(r["steps"] for r in mine)
+            if not steps:
+                continue
+            nodes = sum(r["drafted_tokens"] for r in mine) / steps
+            drafted = [sum(r["drafted_by_depth"][d - 1] if len(r["drafted_by_depth"]) >= d else 0 for r in mine) for d in depths]
+            print(f"| {method} | {label} | {nodes:.2f} | " + " | ".join(f"{n / steps:.0%}" for n in drafted) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=("demo", "grid", "random"), required=True)
+    parser.add_argument("--part", choices=("demo", "grid", "random"))
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--domains", default=None, help="comma-separated demo domains (demo: all; grid: code,prose,long)")
     parser.add_argument("--prompts", type=int, default=8)
@@ -235,9 +258,18 @@ def main() -> None:
     parser.add_argument("--output", default="outputs/bench/controller")
     parser.add_argument("--json", default=None)
     parser.add_argument("--report", default=None, help="print the tables of an earlier --json file, and nothing else")
+    parser.add_argument(
+        "--depths", nargs="+", metavar="LABEL=FILE", default=None, help="compare what the controller drafted in demo runs' --json files"
+    )
     args = parser.parse_args()
+    if args.depths:
+        labelled = dict(item.split("=", 1) for item in args.depths)
+        report_depths({label: json.loads(Path(file).read_text()) for label, file in labelled.items()})
+        return
     if args.report:
         rows = json.loads(Path(args.report).read_text())
+    elif args.part is None:
+        parser.error("one of --part, --report or --depths is required")
     else:
         args.domains = args.domains or ("code,prose,long" if args.part == "grid" else "code,prose,copy,long,repeat,mixed")
         target, domains, shipped = setup(args)
