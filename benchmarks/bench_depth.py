@@ -76,16 +76,24 @@ def check_same_function(shallow, deep, layers: int) -> None:
 
 
 def padded_heads(proposers: dict[str, dict], depth: int, out_dir: Path) -> dict[str, dict]:
-    """The proposer configs, EAGLE heads copied with the padded target's layer count (their aux ids stay valid)."""
+    """The proposer configs, every head that names its target's layer count (EAGLE, DFlash) copied with the padded one.
+
+    The padded layers come after the shipped ones and add nothing, so the layers a head
+    reads keep their ids and their states; only the count it checks the target against moves.
+    """
     out = {}
     for name, config in proposers.items():
         config = dict(config)
         model = Path(config.get("model", ""))
-        if config.get("type") == "eagle":
+        values = json.loads((model / "config.json").read_text()) if (model / "config.json").is_file() else {}
+        sections = [v for k, v in values.items() if k.startswith("draftsmith_") and isinstance(v, dict) and "target_num_layers" in v]
+        if sections:
             copy = out_dir / f"{model.name}_L{depth}"
             shutil.copytree(model, copy, dirs_exist_ok=True)
-            values = json.loads((copy / "config.json").read_text())
-            values["draftsmith_eagle"]["target_num_layers"] = depth
+            for section in sections:
+                section["target_num_layers"] = depth
+            if "num_target_layers" in values:  # DFlash's copy for vLLM
+                values["num_target_layers"] = depth
             (copy / "config.json").write_text(json.dumps(values, indent=1) + "\n")
             config["model"] = str(copy)
         out[name] = config
