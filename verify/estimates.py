@@ -189,7 +189,8 @@ class ShapeEstimates:
 
         The scale follows each measurement's ratio to its depth's estimate quickly (a
         geometric average, weight 0.25, or 0.5 for a ratio beyond 4x), so a slower drafter or
-        a loaded machine moves every depth's cost within a few steps, and a lone spike only briefly.
+        a loaded machine moves every depth's cost within a few steps, and a lone spike only briefly;
+        in the depth's own average one measurement counts for at most twice it.
         """
         base, seconds = self.draft_base[depth], max(seconds, 1e-7)  # a drafter that takes no time still takes a tick
         expected = base * scale if base is not None else self.draft_costs(scale)[depth]  # a new depth: as extrapolated
