@@ -263,11 +263,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.depths:
-        bad = [item for item in args.depths if "=" not in item or not Path(item.split("=", 1)[1]).is_file()]
+        items = {item: item.partition("=") for item in args.depths}
+        bad = [item for item, (_, eq, file) in items.items() if not eq or not Path(file).is_file()]
         if bad:
             parser.error(f"--depths takes LABEL=FILE items naming demo runs' --json files, got {bad}")
-        labelled = dict(item.split("=", 1) for item in args.depths)
-        report_depths({label: json.loads(Path(file).read_text()) for label, file in labelled.items()})
+        report_depths({label: json.loads(Path(file).read_text()) for label, _, file in items.values()})
         return
     if args.report:
         rows = json.loads(Path(args.report).read_text())
