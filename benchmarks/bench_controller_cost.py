@@ -77,17 +77,17 @@ def record(target, tokenizer, config: dict, prompts: list[torch.Tensor]) -> tupl
 
 
 def replay(module: ModuleType, shape: tuple[int, int], calls: list[tuple[str, tuple]]) -> tuple[float, list]:
-    """(seconds for the whole replay, what each plan and trim returned)."""
+    """(seconds for the whole replay, what each plan and trim returned); the outcomes are converted for comparison after the clock stops."""
     controller = module.Controller(*shape)
     outcomes = []
     tick = time.perf_counter()
     for name, args in calls:
         out = getattr(controller, name)(*args)
-        if name == "plan":
-            outcomes.append(astuple(out))  # each revision has its own Plan class: compare the fields
-        elif name == "trim":
-            outcomes.append(out[1])
-    return time.perf_counter() - tick, outcomes
+        if name == "plan" or name == "trim":
+            outcomes.append(out)
+    spent = time.perf_counter() - tick
+    # each revision has its own Plan class: compare the fields; a trim by the nodes it kept
+    return spent, [astuple(out) if not isinstance(out, tuple) else out[1] for out in outcomes]
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from itertools import accumulate
 
 FIRST_PRIOR = 0.3  # the prior share of steps accepting a first draft token, worth one step of counts
 STALE = 0.97  # per drafted step, what a depth's counts keep while that depth is not drafted: its prior takes over again
@@ -168,19 +169,22 @@ class ShapeEstimates:
             prior, above = share * (0.3 if ratio < 0.3 else 0.95 if ratio > 0.95 else ratio), share
         return shares, self.plan_costs(plain, per_row, scale, mean_rows)
 
-    def learn_depths(self, planned: int, depths: list[int], accepted: int, decay: float, now: int) -> None:
-        """Count one drafted step planned at ``planned``: its nodes' ``depths`` and its ``accepted`` length."""
-        counts = [0] * (planned + 1)
-        for d in depths:
-            if d <= planned:
-                counts[d] += 1
-        rows, reached, accepted_counts, row_counts, stamp = 0, self.reached, self.accepted, self.rows, self.stamp
-        for d in range(1, planned + 1):
-            gap = max(now - stamp[d] - 1, 0)  # drafted steps since this depth's last count that did not draft it (this one does)
-            kept = decay * (_STALE_POWERS[gap] if gap < len(_STALE_POWERS) else STALE**gap)
-            rows += counts[d]
+    def learn_depths(self, planned: int, depths: list[int] | None, accepted: int, decay: float, now: int) -> None:
+        """Count one drafted step planned at ``planned``: its nodes' ``depths`` (None: a chain, one per depth), its ``accepted`` length."""
+        if depths is None:
+            rows_to = range(1, planned + 1)  # the nodes at depths 1..d
+        else:
+            counts = [0] * (planned + 2)  # the last slot gathers nodes below the planned depth
+            for d in depths:
+                counts[d if d <= planned else planned + 1] += 1
+            rows_to = accumulate(counts[1 : planned + 1])
+        reached, accepted_counts, row_counts, stamp = self.reached, self.accepted, self.rows, self.stamp
+        hit = min(accepted, planned) + 1  # the depths the accepted path reached, and one
+        for d, rows in enumerate(rows_to, start=1):
+            gap = now - stamp[d] - 1  # drafted steps since this depth's last count that did not draft it (this one does)
+            kept = decay if gap <= 0 else decay * (_STALE_POWERS[gap] if gap < len(_STALE_POWERS) else STALE**gap)
             reached[d] = kept * reached[d] + 1.0
-            accepted_counts[d] = kept * accepted_counts[d] + (1.0 if accepted >= d else 0.0)
+            accepted_counts[d] = kept * accepted_counts[d] + (d < hit)
             row_counts[d] = kept * row_counts[d] + rows
             stamp[d] = now
 
