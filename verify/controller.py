@@ -25,7 +25,8 @@ the text, so the controller measures them itself while it decodes and decides pe
    over the rows); the outcome updates u_d, the rows per depth and the calibration bins. The
    running averages follow the context as it grows. A pause of the machine is not a cost:
    a step's rest counts as at most ``PAUSE_BOUND`` plain steps per verified row, and one
-   probe's loss counts for at most ``PROBE_LOSS_CAP`` plain steps, and the next probe is
+   probe's loss (with what it slows the plain steps after it) counts for at most
+   ``verify.probes.PROBE_LOSS_CAP`` plain steps, and the next probe is
    priced at the median of the last few, so probes of a proposer that is off follow each
    other at most some 400 plain steps apart (plus what catching up costs), whatever the
    machine's pauses; one step moves its depth's averages by a bounded amount, and no depth
@@ -49,16 +50,15 @@ decoding and sampled output keeps the target's distribution.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from bisect import bisect_right
-from collections import deque
 from dataclasses import dataclass
 
 from draftsmith.proposers.core.tree import keep_nodes
 from draftsmith.proposers.core.types import Draft, VerifyResult
 
 from .estimates import RobustLine, RunningLine, ShapeEstimates, average
+from .probes import ProbeLedger
 
 CONFIDENCE_EDGES = (0.05, 0.15, 0.3, 0.5, 0.7, 0.85, 0.95)  # calibration bins of a node's own draft probability
 CONFIDENCE_MIDS = (0.025, 0.1, 0.225, 0.4, 0.6, 0.775, 0.9, 0.975)  # each bin's prior acceptance
@@ -66,14 +66,11 @@ DEPTH_BUCKETS = 4  # calibration by depth 1, 2, 3 and 4+
 SLOTS = len(CONFIDENCE_MIDS) + 1  # a bin per confidence range, and one for a node without a score
 PRIORS = (0.5, *CONFIDENCE_MIDS) * DEPTH_BUCKETS  # each calibration bin's prior chance, bin = (depth bucket - 1) * SLOTS + slot
 DEFAULT_DEPTH = 8  # planned depths for a proposer that states no limit
-REFRESH_EVERY = 4  # drafted steps between recomputations of the plan's estimates (they move slowly)
+REFRESH_EVERY = 8  # drafted steps between recomputations of the plan's estimates (they move slowly)
 PLAIN_DRIFT = 0.02  # how far (relative) a plain step's cost moves before the estimates are recomputed for it, at least
 PLAIN_EVERY = 64  # drafted steps between plain steps that keep the plain cost measured
 PLAIN_SAMPLES = 4  # until a plain step has been measured this often, every fourth step is one
-PROBE_BUDGET = 0.01  # the share of the plain steps' time that probes may lose, over what they win back
 PAUSE_BOUND = 2.0  # a step's rest beyond this many plain steps per verified row is counted as this many (a pause, not a cost)
-PROBE_LOSS_CAP = 2.0  # plain steps one probe's loss beyond its catching up counts for at most (a pause inside it is not a cost)
-PROBE_HISTORY = 5  # the probes whose median loss prices the next one
 PROBE_CEILING = 1000  # plain steps in a row after which a proposer is probed whatever its estimated catching up costs
 MARGIN = 0.05  # drafting must promise this much more than plain decoding: a tie is noise, and drafting's variance is not free
 
@@ -108,7 +105,7 @@ class Controller:
             chain is one more shape to choose from, next to the proposer's tree.
         decay: how much the acceptance side forgets per drafted step (0.95: a window of ~20 steps; a
             shorter one dips below the bar by chance, and a drafter that is off is asked again by probes only).
-        probe_every: the fewest plain steps between probes (what they may lose sets the rest: ``PROBE_BUDGET``).
+        probe_every: the fewest plain steps between probes (what they may lose sets the rest: ``verify.probes``).
         explore_every: drafted steps between probes of the planned depth's neighbourhood (one
             depth deeper, or the other shape, and the whole draft verified so that the
             calibration sees what a trim hides).
@@ -135,10 +132,7 @@ class Controller:
         self.rows_model = RunningLine(0.98)  # the rest of a drafted step against its nodes beyond the first
         self.bins: dict[str, list[list[float]]] = {}  # source -> per calibration bin [accepted, rejected], decayed
         self.plain_run, self.drafted_steps, self.probe_pending = 0, 0, False
-        self.probe_credit = 0.0  # seconds probes may still lose: PROBE_BUDGET of every plain step, less what probes lost
-        self.probe_loss: float | None = None  # what a probe's two steps lose beyond their catching up (median; None: unknown)
-        self._probe_losses: deque[float] = deque(maxlen=PROBE_HISTORY)  # the last probes' losses, each capped
-        self._probe = (0.0, 0, 0.0)  # the probe under way: (its catching up as priced, tokens, seconds)
+        self.probes = ProbeLedger()  # what probes may lose, and what they lost
         self.since_plain, self.plain_samples = PLAIN_SAMPLES, 0  # the first step is a plain one
         self.missed: int | None = None  # positions committed by plain steps since the last draft (None: the whole context)
         self.catch_up = RobustLine()  # what a draft costs beyond its drafting against the positions it catches up
@@ -246,13 +240,14 @@ class Controller:
     def _explore(self, best: int, shape: int, drafting: int, deepest: int, catch_up: float = 0.0) -> Plan:
         """Probe a proposer that is off, now and then; probe around the planned depth and shape, and measure a plain step, now and then.
 
-        Probes pay for themselves: every plain step adds ``PROBE_BUDGET`` of its seconds to a
-        credit, and a probe (at least ``probe_every`` plain steps after the last) waits until the
-        credit covers what it is expected to lose: its catching up (the positions the
-        proposer has not fed, at the measured price) and what the last probes lost beyond
-        theirs. What a probe loses comes off the credit, what it wins goes on it, so probes
-        cost at most about 1% of the time where drafting does not pay (a long prompt's dear
-        first draft included), and follow each other quickly once the text turns predictable.
+        Probes pay for themselves (``verify.probes``): every plain step adds 1% of its seconds
+        to a credit, and a probe (at least ``probe_every`` plain steps after the last) waits
+        until the credit covers what it is expected to lose: its catching up (the positions
+        the proposer has not fed, at the measured price) and what the last probes lost beyond
+        theirs, the plain steps they slowed included. What a probe loses comes off the credit,
+        what it wins goes on it, so probes cost about 1% of the time where drafting does not
+        pay (a long prompt's dear first draft included), and follow each other quickly once
+        the text turns predictable.
         Exploring a drafting proposer alternates one depth deeper with the other shape's best depth.
         """
         if best and (self.since_plain >= (PLAIN_EVERY if self.plain_samples >= PLAIN_SAMPLES else PLAIN_SAMPLES)):
@@ -262,12 +257,11 @@ class Controller:
                 self.probe_pending = False
                 return self._plan(drafting, shape, probe=True)
             self.plain_run += 1
-            if self.plain_seconds is not None:
-                self.probe_credit += PROBE_BUDGET * self.plain_seconds
-            expected_loss = catch_up + max(self.probe_loss or 0.0, 0.0)
-            due = self.probe_credit >= expected_loss or self.plain_run >= PROBE_CEILING  # the ceiling: whatever the estimates say
+            self.probes.accrue(self.plain_seconds)
+            due = self.probes.due(catch_up) or self.plain_run >= PROBE_CEILING  # the ceiling: whatever the estimates say
             if drafting and self.plain_run >= self.probe_every and due:
-                self.plain_run, self.probe_pending, self._probe = 0, True, (catch_up, 0, 0.0)
+                self.plain_run, self.probe_pending = 0, True
+                self.probes.begin(catch_up)
                 return self._plan(drafting, shape, probe=True)
             return Plan(0)
         self.plain_run = 0
@@ -348,6 +342,7 @@ class Controller:
                 self._estimates = None
             if self.missed is not None:
                 self.missed += len(result.committed)
+            self.probes.plain_step(rest)
             self.since_plain, self.plain_samples = 0, self.plain_samples + 1
         else:
             self.observed += 1
@@ -367,29 +362,14 @@ class Controller:
                 self._rows_cost = None
             shape.learn_depths(plan.depth, draft.depth_list, result.num_accepted, self.decay, self.drafted_steps)
             if shape is not self.shapes[0]:  # a tree holds the chain of first children: what that chain would have accepted
-                chain = list(range(1, plan.depth + 1))
-                self.shapes[0].learn_depths(plan.depth, chain, _first_children_accepted(draft, result), self.decay, self.drafted_steps)
+                self.shapes[0].learn_depths(plan.depth, None, _first_children_accepted(draft, result), self.decay, self.drafted_steps)
             if self.observed % 2 or plan.probe:  # half the steps calibrate (and every probe): a bin moves slowly anyway
                 self._learn_bins(draft, result, greedy)
             if plan.probe and not plan.whole:
-                self._learn_probe(len(result.committed), step_seconds)
+                self.probes.step(len(result.committed), step_seconds, self.plain_seconds, last=not self.probe_pending)
+            else:
+                self.probes.drafted_step()
         self.seconds += time.perf_counter() - tick
-
-    def _learn_probe(self, tokens: int, seconds: float) -> None:
-        """Count a probe's step; after its second, settle what the pair lost against plain steps with the credit."""
-        priced, before, spent = self._probe
-        self._probe = (priced, before + tokens, spent + seconds)
-        if self.probe_pending or self.plain_seconds is None:
-            return  # the first of the two
-        # A pause of the machine inside a probe (tens of ms) is not what drafting costs: one probe's
-        # loss counts for at most PROBE_LOSS_CAP plain steps, and the next probe is priced at the
-        # median of the last few, so neither a pause nor a run of them holds probing back for
-        # thousands of steps. A proposer that truly loses more is still asked at most ~1% of the time.
-        beyond = min(spent + seconds - (before + tokens) * self.plain_seconds - priced, PROBE_LOSS_CAP * self.plain_seconds)
-        lost = priced + beyond
-        self.probe_credit = min(self.probe_credit - lost, max(lost, self.plain_seconds))  # a win buys the next probe, not a hoard
-        self._probe_losses.append(beyond)
-        self.probe_loss = statistics.median(self._probe_losses)
 
     def _learn_bins(self, draft: Draft, result: VerifyResult, greedy: bool) -> None:
         parents, scores, depths, source = draft.parent_list, draft.scores, draft.depth_list, draft.source or ""
@@ -426,8 +406,8 @@ class Controller:
             "row_ms": round(1000 * per_row, 4),
             "planned_by_depth": self.planned,
             "shapes": shapes,
-            "probe_credit_ms": round(1000 * self.probe_credit, 3),
-            "probe_loss_ms": None if self.probe_loss is None else round(1000 * self.probe_loss, 3),
+            "probe_credit_ms": round(1000 * self.probes.credit, 3),
+            "probe_loss_ms": None if self.probes.loss is None else round(1000 * self.probes.loss, 3),
             "catch_up_ms_per_100": round(100 * 1000 * self.catch_up.line()[1], 4) if self.catch_up.count else None,
         }
 

@@ -25,6 +25,7 @@ from draftsmith.proposers.core.types import Draft, ProposeContext, VerifyResult
 from draftsmith.proposers.draft_model import DraftModelProposer
 from draftsmith.verify import SpeculativeDecoder, load_target
 from draftsmith.verify import controller as controller_module
+from draftsmith.verify import probes as probes_module
 from draftsmith.verify.controller import Controller, Plan, RunningLine
 from draftsmith.verify.estimates import RobustLine
 from draftsmith.verify.evaluation.demo import DEMO_TARGET, SHIPPED, trained_drafts
@@ -132,7 +133,7 @@ def test_a_proposer_that_turns_predictable_again_is_switched_back_on():
 def resumed_after_a_paused_probe(monkeypatch, cap: float) -> int:
     """Random text for 200 steps with the machine pausing 50 plain steps inside the first probe after step 60, then a
     repeated passage (0.95): the step where drafting resumes (5 drafted steps in a row), with ``PROBE_LOSS_CAP`` = ``cap``."""
-    monkeypatch.setattr(controller_module, "PROBE_LOSS_CAP", cap)
+    monkeypatch.setattr(probes_module, "PROBE_LOSS_CAP", cap)
     plans: list[Plan] = []
     paused = []
 
@@ -155,7 +156,7 @@ def test_a_pause_inside_a_probe_does_not_hold_the_next_probes_back(monkeypatch):
     passage (the pause counts as a probe losing 2 plain steps beyond the 1% credit, which wins them back in about 200 plain steps,
     some of them before the passage). Negative control: without the cap on what one probe loses, the pause holds probing
     back past step 1000."""
-    assert resumed_after_a_paused_probe(monkeypatch, controller_module.PROBE_LOSS_CAP) <= 200 + 350
+    assert resumed_after_a_paused_probe(monkeypatch, probes_module.PROBE_LOSS_CAP) <= 200 + 350
     assert resumed_after_a_paused_probe(monkeypatch, float("inf")) >= 1000
 
 
@@ -166,7 +167,7 @@ def test_pauses_inside_every_probe_still_leave_probing_bounded(monkeypatch):
     ceiling (``PROBE_CEILING``, 1000 plain steps)."""
 
     def probe_gaps(cap: float) -> list[int]:
-        monkeypatch.setattr(controller_module, "PROBE_LOSS_CAP", cap)
+        monkeypatch.setattr(probes_module, "PROBE_LOSS_CAP", cap)
         plans: list[Plan] = []
 
         def costs(plan, draft):
@@ -178,7 +179,7 @@ def test_pauses_inside_every_probe_still_leave_probing_bounded(monkeypatch):
         starts = [i for i, plan in enumerate(plans) if plan.probe and not (i and plans[i - 1].probe)]
         return [b - a for a, b in zip([0, *starts], [*starts, len(plans)], strict=True)]
 
-    gaps = probe_gaps(controller_module.PROBE_LOSS_CAP)
+    gaps = probe_gaps(probes_module.PROBE_LOSS_CAP)
     assert len(gaps) >= 5 and max(gaps) <= 450, gaps
     assert max(probe_gaps(float("inf"))) >= 900
 
