@@ -22,7 +22,8 @@ the text, so the controller measures them itself while it decodes and decides pe
    however they were chosen). A sampled tree is never cut by its own drawn values.
 2. observe: the step's seconds update the running costs of its planned depth (or of a
    plain step) and the cost of a verified row (a least-squares line with forgetting
-   over the rows); the outcome updates u_d, the rows per depth and the calibration bins. The
+   over the rows); the outcome updates u_d, the rows per depth and the calibration bins (a
+   drafted step's, in one pass before the estimates are next recomputed). The
    running averages follow the context as it grows. A pause of the machine is not a cost:
    a step's rest counts as at most ``PAUSE_BOUND`` plain steps per verified row, and one
    probe's loss (with what it slows the plain steps after it) counts for at most
@@ -67,6 +68,7 @@ SLOTS = len(CONFIDENCE_MIDS) + 1  # a bin per confidence range, and one for a no
 PRIORS = (0.5, *CONFIDENCE_MIDS) * DEPTH_BUCKETS  # each calibration bin's prior chance, bin = (depth bucket - 1) * SLOTS + slot
 DEFAULT_DEPTH = 8  # planned depths for a proposer that states no limit
 REFRESH_EVERY = 8  # drafted steps between recomputations of the plan's estimates (they move slowly)
+SURPRISE = 3.0  # a drafted step dearer than this many times its estimate has the estimates recomputed at once
 PLAIN_DRIFT = 0.02  # how far (relative) a plain step's cost moves before the estimates are recomputed for it, at least
 PLAIN_EVERY = 64  # drafted steps between plain steps that keep the plain cost measured
 PLAIN_SAMPLES = 4  # until a plain step has been measured this often, every fourth step is one
@@ -138,13 +140,12 @@ class Controller:
         self.catch_up = RobustLine()  # what a draft costs beyond its drafting against the positions it catches up
         self.plain_steps = 0  # steps planned plain, over the controller's life
         self.seconds = 0.0  # the controller's own work
-        self._estimates: list[tuple[list[float], list[float | None]]] | None = (
-            None  # per shape (shares, plan costs), refreshed now and then
-        )
+        self._estimates: list[tuple[list[float], list[float | None]]] | None = None  # per shape (shares, plan costs), now and then
         self._decisions: dict[int, tuple[int, int, int]] = {}  # room -> (plan depth, shape, best drafting depth), with the estimates
         self._rows_cost: tuple[float, float] | None = None  # ``_row_costs``, until the rows line is next updated
         self._chances: dict[str, list[float]] = {}  # source -> each bin's chance, until its bins are next updated
         self.observed = 0  # drafted steps observed
+        self._pending: list[tuple] = []  # drafted steps observed and not learnt from yet (``_learn_pending``)
         self._estimated_plain = 0.0  # the plain step's cost the estimates were computed with
         self._headroom = float("inf")  # how far (log) that cost may move before a plain decision of theirs could turn (``_decide``)
 
@@ -170,6 +171,8 @@ class Controller:
         tick = time.perf_counter()
         deepest = min(self.max_depth, room)
         if self._estimates is None:
+            if self._pending:
+                self._learn_pending()
             per_row = self._row_costs()[1]
             self._estimates = [shape.estimate(self.drafted_steps, self.plain_seconds, per_row, self.draft_scale) for shape in self.shapes]
             self._estimated_plain = self.plain_seconds or 0.0
@@ -287,14 +290,14 @@ class Controller:
         if not n or not exact_any_subset or self.plain_seconds is None or first == float("inf"):
             return draft, None
         tick = time.perf_counter()
-        parents, scores, depths = draft.parent_list, draft.scores, draft.depth_list
-        source = draft.source or ""
+        scores, source = draft.scores, draft.source or ""
         chances = self._chances.get(source) or self._chance_table(source)
-        value = [0.0] * n
-        for i, parent in enumerate(parents):
-            bucket = depths[i] if depths[i] < DEPTH_BUCKETS else DEPTH_BUCKETS
-            slot = 0 if scores is None else 1 + bisect_right(CONFIDENCE_EDGES, scores[i])
-            value[i] = chances[(bucket - 1) * SLOTS + slot] * (value[parent] if parent >= 0 else 1.0)
+        value: list[float] = []
+        push = value.append
+        for parent, depth, score in zip(draft.parent_list, draft.depth_list, [None] * n if scores is None else scores, strict=True):
+            index = (depth - 1 if depth < DEPTH_BUCKETS else DEPTH_BUCKETS - 1) * SLOTS  # the depth's bins; slot 0: no score
+            chance = chances[index if score is None else index + 1 + bisect_right(CONFIDENCE_EDGES, score)]
+            push(chance * value[parent] if parent >= 0 else chance)
         order = sorted(range(n), key=value.__getitem__, reverse=True)  # stable: a parent (not less likely, earlier) first
         best_k, best_rate, expected = 0, 1.0 / self.plain_seconds, 1.0
         for k, node in enumerate(order, start=1):
@@ -304,11 +307,10 @@ class Controller:
             rate = expected / (first + per_row * (k - 1))
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        self.seconds += time.perf_counter() - tick
-        if best_k == n:
-            return draft, None
-        kept = sorted(order[:best_k])
-        return keep_nodes(draft, kept), kept
+        kept = None if best_k == n else sorted(order[:best_k])
+        trimmed = draft if kept is None else keep_nodes(draft, kept)
+        self.seconds += time.perf_counter() - tick  # building the trimmed draft included
+        return trimmed, kept
 
     def _chance_table(self, source: str) -> list[float]:
         """Each calibration bin's chance that its node is accepted given its parent was: its counts over its confidence's prior."""
@@ -346,37 +348,53 @@ class Controller:
             self.since_plain, self.plain_samples = 0, self.plain_samples + 1
         else:
             self.observed += 1
-            if self.observed % REFRESH_EVERY == 0 or plan.probe:
-                self._estimates = None
-            shape = self.shapes[plan.shape]
             self.since_plain += 1
             missed, self.missed = (context if self.missed is None else self.missed), 0
-            if missed <= 1:  # steady state (one plain step's token is fed as a drafted step's bonus token is)
-                self.draft_scale = shape.learn_draft_cost(plan.depth, draft_seconds, self.draft_scale)
-            elif shape.draft_base[plan.depth] is not None:  # a catch-up: what it cost beyond the drafting
-                self.catch_up.update(float(missed), max(draft_seconds - shape.draft_base[plan.depth] * self.draft_scale, 0.0))
-            if self.plain_seconds is not None:
-                shape.learn_verify_cost(plan.depth, rest - self.plain_seconds, self.plain_seconds)
-            if draft.num_nodes:
-                self.rows_model.update(draft.num_nodes - 1.0, rest)
-                self._rows_cost = None
-            shape.learn_depths(plan.depth, draft.depth_list, result.num_accepted, self.decay, self.drafted_steps)
-            if shape is not self.shapes[0]:  # a tree holds the chain of first children: what that chain would have accepted
-                self.shapes[0].learn_depths(plan.depth, None, _first_children_accepted(draft, result), self.decay, self.drafted_steps)
-            if self.observed % 2 or plan.probe:  # half the steps calibrate (and every probe): a bin moves slowly anyway
-                self._learn_bins(draft, result, greedy)
+            calibrate = bool(self.observed % 2 or plan.probe)  # half the steps calibrate (and every probe): a bin moves slowly
+            self._pending.append((plan, draft.parent_list, draft.depth_list, draft.scores, draft.source or "", result.accepted_nodes,
+                                  missed, draft_seconds, rest, self.plain_seconds, self.drafted_steps, greedy, calibrate))  # fmt: skip
+            every = REFRESH_EVERY if self.observed > 2 * REFRESH_EVERY else 2  # often while the estimates are young
+            priced = self._estimates[plan.shape][1][plan.depth] if self._estimates is not None else None
+            if self.observed % every == 0 or plan.probe or (priced is not None and step_seconds > SURPRISE * priced):
+                self._estimates = None  # the next plan learns the pending steps first
             if plan.probe and not plan.whole:
                 self.probes.step(len(result.committed), step_seconds, self.plain_seconds, last=not self.probe_pending)
             else:
                 self.probes.drafted_step()
         self.seconds += time.perf_counter() - tick
 
-    def _learn_bins(self, draft: Draft, result: VerifyResult, greedy: bool) -> None:
-        parents, scores, depths, source = draft.parent_list, draft.scores, draft.depth_list, draft.source or ""
+    def _learn_pending(self) -> None:
+        """Learn from the drafted steps observed since the last time, in order: their costs, depths and calibration.
+
+        A drafted step's outcome is kept (a few Python lists) and learnt from when the estimates
+        are next recomputed, every ``REFRESH_EVERY`` drafted steps and after a probe, since only
+        they read what it teaches (the trim's rows line and calibration lag by as many steps).
+        One pass over eight steps runs in warm caches; eight passes, one after each target
+        forward, ran in cold ones at about twice the cost.
+        """
+        pending, self._pending = self._pending, []
+        for plan, parents, depths, scores, source, accepted, missed, draft_seconds, rest, plain, now, greedy, calibrate in pending:
+            shape = self.shapes[plan.shape]
+            if missed <= 1:  # steady state (one plain step's token is fed as a drafted step's bonus token is)
+                self.draft_scale = shape.learn_draft_cost(plan.depth, draft_seconds, self.draft_scale)
+            elif shape.draft_base[plan.depth] is not None:  # a catch-up: what it cost beyond the drafting
+                self.catch_up.update(float(missed), max(draft_seconds - shape.draft_base[plan.depth] * self.draft_scale, 0.0))
+            if plain is not None:
+                shape.learn_verify_cost(plan.depth, rest - plain, plain)
+            if depths:
+                self.rows_model.update(len(depths) - 1.0, rest)
+            shape.learn_depths(plan.depth, depths, len(accepted), self.decay, now)
+            if shape is not self.shapes[0]:  # a tree holds the chain of first children: what that chain would have accepted
+                self.shapes[0].learn_depths(plan.depth, None, _first_children_accepted(parents, accepted), self.decay, now)
+            if calibrate:
+                self._learn_bins(parents, scores, depths, source, accepted, greedy)
+        self._rows_cost = None
+
+    def _learn_bins(self, parents: list[int], scores, depths: list[int], source: str, accepted_nodes: list[int], greedy: bool) -> None:
         bins = self.bins.get(source) or self.bins.setdefault(source, [[0.0, 0.0] for _ in PRIORS])
         table = self._chances.get(source) or self._chance_table(source)  # kept up to date bin by bin below
-        accepted = set(result.accepted_nodes)
-        chosen = {parents[node]: node for node in result.accepted_nodes}  # parent -> its accepted child
+        accepted = set(accepted_nodes)
+        chosen = {parents[node]: node for node in accepted_nodes}  # parent -> its accepted child
         for node, parent in enumerate(parents):
             if parent != -1 and parent not in accepted:
                 continue  # never tested: its parent was rejected
@@ -399,7 +417,7 @@ class Controller:
 
     def snapshot(self) -> dict:
         """The current estimates, for stats and tables: costs (ms) and acceptance per depth, per shape."""
-        per_row = self._row_costs()[1]
+        per_row = self._row_costs()[1]  # as learnt so far: drafted steps since the last plan's refresh are still pending
         shapes = [shape.snapshot(self.plain_seconds, per_row, self.draft_scale) for shape in self.shapes]
         return {
             "plain_step_ms": None if self.plain_seconds is None else round(1000 * self.plain_seconds, 3),
@@ -412,17 +430,17 @@ class Controller:
         }
 
 
-def _first_children_accepted(draft: Draft, result: VerifyResult) -> int:
+def _first_children_accepted(parents: list[int], accepted_nodes: list[int]) -> int:
     """How far the accepted path runs through first children (in draft order): what the chain of first children would accept.
 
     The verifier tests a node's children in draft order (all at once at temperature 0, where
     only one can match), so the first child's test is the same whether siblings follow or not.
     """
-    parents, first = draft.parent_list, {}
+    first: dict[int, int] = {}
     for node, parent in enumerate(parents):
         first.setdefault(parent, node)
     reach = 0
-    for node in result.accepted_nodes:
+    for node in accepted_nodes:
         if first[parents[node]] != node:
             break
         reach += 1

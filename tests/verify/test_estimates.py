@@ -49,3 +49,16 @@ def test_a_pause_inside_a_step_moves_its_depths_cost_by_a_bounded_amount_and_a_s
     costs = shape.plan_costs(plain, 0.0, 1.0, [0.0] * 7)
     assert costs[2] == pytest.approx(costs[3]) and costs[3] < plain + 0.2 + shape.verify_seconds[2]
     assert all(costs[d] <= costs[d + 1] for d in range(1, 6)), costs
+
+
+def test_a_chain_s_depths_may_be_left_implicit_and_nodes_below_the_planned_depth_are_not_counted():
+    """``depths=None`` (a chain: one node per depth) counts as the chain's own depths; a tree's nodes below the planned
+    depth add no rows, and its accepted length counts up to the planned depth."""
+    explicit, implicit, tree = ShapeEstimates(1, 5), ShapeEstimates(1, 5), ShapeEstimates(None, 5)
+    for now, accepted in enumerate([0, 3, 2, 4, 1, 3], start=1):
+        explicit.learn_depths(4, [1, 2, 3, 4], accepted, 0.95, now)
+        implicit.learn_depths(4, None, accepted, 0.95, now)
+    assert [explicit.reached, explicit.accepted, explicit.rows, explicit.stamp] == [
+        implicit.reached, implicit.accepted, implicit.rows, implicit.stamp]  # fmt: skip
+    tree.learn_depths(2, [1, 1, 2, 3, 3], 3, 0.95, 1)
+    assert tree.rows[1:4] == [2.0, 3.0, 0.0] and tree.accepted[1:4] == [1.0, 1.0, 0.0]
