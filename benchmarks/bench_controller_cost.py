@@ -39,13 +39,16 @@ CALLS = ("start", "plan", "trim", "observe")
 
 
 def baseline_module(revision: str, folder: Path) -> ModuleType:
-    """``verify/controller.py`` at ``revision`` (with its ``estimates.py``), importable beside this tree's."""
+    """``verify/controller.py`` at ``revision`` (with its ``estimates.py`` and ``probes.py``), importable beside this tree's."""
     package = folder / "baseline_verify"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    for name in ("controller.py", "estimates.py"):
-        text = subprocess.run(["git", "show", f"{revision}:verify/{name}"], capture_output=True, text=True, check=True).stdout
-        (package / name).write_text(text)
+    for name in ("controller.py", "estimates.py", "probes.py"):  # probes.py: since it was split out of controller.py
+        shown = subprocess.run(["git", "show", f"{revision}:verify/{name}"], capture_output=True, text=True)
+        if shown.returncode == 0:
+            (package / name).write_text(shown.stdout)
+        elif name != "probes.py":
+            raise SystemExit(f"--baseline {revision}: no verify/{name} there ({shown.stderr.strip()})")
     sys.path.insert(0, str(folder))
     spec = importlib.util.spec_from_file_location("baseline_verify.controller", package / "controller.py")
     module = importlib.util.module_from_spec(spec)
