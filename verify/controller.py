@@ -367,7 +367,7 @@ class Controller:
         """Learn from the drafted steps observed since the last time, in order: their costs, depths and calibration.
 
         A drafted step's outcome is kept (a few Python lists) and learnt from when the estimates
-        are next recomputed, every ``REFRESH_EVERY`` drafted steps and after a probe, since only
+        are next recomputed (every ``REFRESH_EVERY`` drafted steps, and sooner: ``observe``), since only
         they read what it teaches (the trim's rows line and calibration lag by as many steps).
         One pass over eight steps runs in warm caches; eight passes, one after each target
         forward, ran in cold ones at about twice the cost.

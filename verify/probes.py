@@ -4,8 +4,8 @@ A probe asks a proposer that is off (its steps planned plain) whether drafting p
 two drafted steps. What it costs: its catching up (the positions the proposer has not fed,
 at the measured price), what its two steps lose against plain steps beyond that, and what
 it slows the plain steps after it: on this CPU a drafted step leaves the next ~20 plain
-steps a few percent slower (what the drafter's forward took of the caches and the
-allocator), a cost as large as the rest for a probe that nearly pays. Every plain step adds
+steps a few percent slower (likely what the drafter's forward took of the caches), a
+cost as large as the rest for a probe that nearly pays. Every plain step adds
 ``PROBE_BUDGET`` of its seconds to a credit; a probe waits until the credit covers what it
 is expected to lose (its catching up and the median of what the last probes lost beyond
 theirs); what it loses comes off the credit, what it wins goes on it.
