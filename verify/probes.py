@@ -77,8 +77,7 @@ class ProbeLedger:
 
     def drafted_step(self) -> None:
         """A drafted step ends a probe's aftermath: the plain steps after it are its own."""
-        if self._after is not None:
-            self._settle_aftermath()
+        self._settle_aftermath()
 
     def _settle_aftermath(self) -> None:
         """Charge the last probe what the plain steps after it lost (or won: faster steps count too, so noise averages out).
