@@ -21,7 +21,7 @@ from draftsmith.proposers.core.lean_forward import fast_paths, forward_mode
 from draftsmith.proposers.core.models import check_full_attention, context_limit, decode_threads, output_vocab_size, torch_threads
 from draftsmith.proposers.core.proposer import Proposer, check_proposer
 from draftsmith.proposers.core.sampling import SamplingParams
-from draftsmith.proposers.core.tree import limit_width, node_depths, prune_depth, validate_draft
+from draftsmith.proposers.core.tree import limit_width, prune_depth, validate_draft
 from draftsmith.proposers.core.types import Draft, ProposeContext, TargetFeatures, VerifyResult
 
 from .controller import Controller, Plan
@@ -352,7 +352,7 @@ def _depth(draft: Draft) -> int:
         return 0
     if draft.is_chain():
         return draft.num_nodes
-    return max(node_depths(draft.parent_list))
+    return max(draft.depth_list)
 
 
 def _extend(tokens: list[int], new_tokens: list[int], committed: list[int], max_new_tokens: int, eos: frozenset[int]) -> int:

@@ -102,7 +102,7 @@ class Target:
             return self._forward(input_ids, None, torch.arange(past, past + input_ids.shape[1], device=device)[None])
         parents = draft.parent_list
         mask = tree_attention_mask(parents, past, dtype=self.model.dtype, device=device)
-        return self._forward(input_ids, mask, tree_position_ids(parents, past, device=device))
+        return self._forward(input_ids, mask, tree_position_ids(parents, past, device=device, depths=draft.depth_list))
 
     def commit(self, accepted_nodes: list[int]) -> None:
         """Keep the root and the accepted nodes in the cache; drop every other scored entry."""

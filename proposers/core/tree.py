@@ -17,10 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from .devices import reads_are_free
 from .sampling import SamplingParams, sampled_children, sampled_children_at_once, top_k_rows
-from .types import Draft, long_tensor
+from .types import Draft, long_tensor, node_depths
 
 # -- structure -------------------------------------------------------------------------
 
@@ -42,12 +43,14 @@ def validate_draft(draft: Draft, vocab_size: int, check_probs: bool = True) -> N
         raise ValueError(f"draft token_ids and parents must both be [n]; got {tuple(tokens.shape)} and {tuple(parents.shape)}")
     if tokens.dtype != torch.long or parents.dtype != torch.long:
         raise ValueError(f"draft token_ids and parents must be torch.long; got {tokens.dtype} and {parents.dtype}")
-    parent_list = draft.parent_list
-    for i, p in enumerate(parent_list):  # a Python loop: drafts are small, and tensor ops cost more per call
+    depths: list[int] = []  # computed as the parents are checked: the cuts, the controller and the position ids read them
+    for i, p in enumerate(draft.parent_list):  # a Python loop: drafts are small, and tensor ops cost more per call
         if not -1 <= p < i:
             raise ValueError(
                 f"draft node {i} has parent {p}: a parent must be -1 (the last committed token) or an earlier node in 0..{i - 1}"
             )
+        depths.append(1 if p < 0 else depths[p] + 1)
+    draft.__dict__.setdefault("depth_list", depths)  # ``Draft.depth_list``'s cache
     token_list = draft.token_list
     if token_list and not (0 <= min(token_list) and max(token_list) < vocab_size):
         i = next(i for i, t in enumerate(token_list) if not 0 <= t < vocab_size)
@@ -89,14 +92,6 @@ def check_draft_probs(draft_probs: torch.Tensor, tokens: torch.Tensor) -> None:
         )
 
 
-def node_depths(parents: list[int]) -> list[int]:
-    """Depth of each node: children of the root (-1) have depth 1."""
-    depths: list[int] = []
-    for p in parents:
-        depths.append(1 if p < 0 else depths[p] + 1)
-    return depths
-
-
 def node_paths(parents: list[int]) -> list[list[int]]:
     """Each node's path: node indices from a child of the root down to the node (inclusive).
 
@@ -118,7 +113,7 @@ def children_lists(parents: list[int]) -> list[list[int]]:
 
 def prune_depth(draft: Draft, max_depth: int) -> Draft:
     """Drop the nodes deeper than ``max_depth``, renumbering the parents of those kept."""
-    depths = node_depths(draft.parent_list)
+    depths = draft.depth_list
     if not depths or max(depths) <= max_depth:
         return draft
     return keep_nodes(draft, [i for i, d in enumerate(depths) if d <= max_depth])
@@ -135,6 +130,8 @@ def keep_nodes(draft: Draft, keep: list[int]) -> Draft:
         scores = draft.scores[:k] if draft.scores is not None else None
         kept = Draft(draft.token_ids[:k], draft.parents[:k], probs, draft.source, scores)
         kept.__dict__["parent_list"], kept.__dict__["token_list"] = parents[:k], tokens[:k]
+        if "depth_list" in draft.__dict__:  # a node kept with its ancestors keeps its depth
+            kept.__dict__["depth_list"] = draft.depth_list[:k]
         return kept
     new_index = {old: new for new, old in enumerate(keep)}
     new_parents = [new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep]
@@ -146,6 +143,9 @@ def keep_nodes(draft: Draft, keep: list[int]) -> Draft:
     kept = Draft(long_tensor(new_tokens), long_tensor(new_parents), probs, draft.source, scores)
     kept.__dict__["parent_list"] = new_parents  # the cached lists, known already (a frozen dataclass's cached_property slots)
     kept.__dict__["token_list"] = new_tokens
+    if "depth_list" in draft.__dict__:
+        depths = draft.depth_list
+        kept.__dict__["depth_list"] = [depths[i] for i in keep]
     return kept
 
 
@@ -255,9 +255,9 @@ def _additive_mask(columns: list[list[int]], prefix_len: int, width: int, dtype:
     return mask.view(1, 1, rows, total)
 
 
-def tree_position_ids(parents: list[int], past_len: int, device: torch.device | None = None) -> torch.Tensor:
-    """``[1, n + 1]`` position ids on ``device``: the root sits at ``past_len``, a node at ``past_len + depth``."""
-    return torch.tensor([[past_len] + [past_len + d for d in node_depths(parents)]], device=device)
+def tree_position_ids(parents: list[int], past_len: int, device: torch.device | None = None, depths: list[int] | None = None) -> Tensor:
+    """``[1, n + 1]`` position ids on ``device``: the root at ``past_len``, a node at ``past_len + depth`` (``depths``, if known)."""
+    return torch.tensor([[past_len] + [past_len + d for d in (depths or node_depths(parents))]], device=device)
 
 
 # -- the dynamic tree builder (EAGLE-2) ---------------------------------------------------

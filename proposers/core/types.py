@@ -65,8 +65,11 @@ class Draft:
         return Draft(token_ids, torch.arange(-1, token_ids.shape[0] - 1), draft_probs, source, scores)
 
     def is_chain(self) -> bool:
-        """Whether node i's parent is i - 1 for every node (computed once per draft)."""
-        return self.parent_list == list(range(-1, self.num_nodes - 1))
+        """Whether node i's parent is i - 1 for every node (computed once per draft: the decoder, the target and the cuts ask)."""
+        known = self.__dict__.get("_chain")  # a frozen dataclass: cached as ``cached_property`` caches, in the instance's dict
+        if known is None:
+            known = self.__dict__["_chain"] = self.parent_list == list(range(-1, self.num_nodes - 1))
+        return known
 
     @cached_property
     def parent_list(self) -> list[int]:
@@ -80,11 +83,16 @@ class Draft:
 
     @cached_property
     def depth_list(self) -> list[int]:
-        """Each node's depth (1 for the root's children), computed once per draft."""
-        depths: list[int] = []
-        for p in self.parent_list:
-            depths.append(1 if p < 0 else depths[p] + 1)
-        return depths
+        """Each node's depth (1 for the root's children), computed once per draft (``validate_draft`` computes it as it checks)."""
+        return node_depths(self.parent_list)
+
+
+def node_depths(parents: list[int]) -> list[int]:
+    """Depth of each node: children of the root (-1) have depth 1."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return depths
 
 
 def long_tensor(values) -> torch.Tensor:

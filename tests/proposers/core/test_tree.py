@@ -28,6 +28,7 @@ from draftsmith.proposers.core.tree import (
     prune_depth,
     tree_attention_mask,
     tree_position_ids,
+    validate_draft,
 )
 from draftsmith.proposers.core.types import Draft
 from draftsmith.verify.target import Target
@@ -105,6 +106,19 @@ def test_prune_depth_renumbers_parents():
     assert prune_depth(draft, 0).num_nodes == 0
     assert prune_depth(draft, 5) is draft
     assert keep_nodes(draft, [1, 5]).parents.tolist() == [-1, 0]
+
+
+def test_depths_computed_once_stay_right_through_the_cuts():
+    """``validate_draft`` caches each node's depth as it checks the parents; a cut (``keep_nodes``,
+    ``prune_depth``) carries the kept nodes' depths: each equals the depths computed afresh."""
+    draft = Draft(torch.arange(len(PARENTS)), torch.tensor(PARENTS))
+    validate_draft(draft, 16)
+    assert draft.__dict__["depth_list"] == node_depths(PARENTS)
+    for cut in (keep_nodes(draft, [0, 1, 2, 5]), keep_nodes(draft, [0, 1, 2]), prune_depth(draft, 1), limit_width(draft, 1)):
+        assert "depth_list" in cut.__dict__
+        assert cut.depth_list == node_depths(cut.parents.tolist())
+    fresh = Draft(torch.arange(3), torch.tensor([-1, 0, 0]))  # never validated: computed when first read
+    assert "depth_list" not in fresh.__dict__ and fresh.depth_list == [1, 2, 2]
 
 
 def test_chain_detection():
