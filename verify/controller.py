@@ -2,8 +2,9 @@
 
 A draft pays when the tokens it is expected to add outrun what it costs: the drafting,
 and the extra rows of the target's forward. Both sides depend on the machine (a verified
-row is nearly free on a GPU, a sixteenth of a step on this CPU), on the proposer and on
-the text, so the controller measures them itself while it decodes and decides per step:
+row is nearly free on a GPU; on this CPU the first costs a fifth of a step and the
+sixteenth a thirtieth), on the proposer and on the text, so the controller measures them
+itself while it decodes and decides per step:
 
 0. plan (before the proposer drafts, from the past only): the depth to draft, 0 being a
    plain step, and the shape: a chain, or the proposer's own tree where it drafts trees
@@ -12,18 +13,21 @@ the text, so the controller measures them itself while it decodes and decides pe
    shape's steps drafted at least d deep whose accepted path reached depth d, against the
    seconds its steps planned at D took (drafting, and the rest of the step: the target's
    forward of their rows, the sampler, the commit), measured per depth and carried to the
-   depths not yet measured by the cost of a row and of a level (``verify.estimates``);
-   the best rate wins, plain decoding (one token per plain step) included.
+   depths not yet measured by what their rows add and the cost of a level
+   (``verify.estimates``); the best rate wins, plain decoding (one token per plain step)
+   included.
 1. trim (after, with the draft's own values): each node's chance to be accepted is its
    calibrated confidence (``Draft.scores``, binned per source and depth, learned from
-   every verification) times its parent's; the nodes are kept best first while a row's
-   cost buys more than it adds. Only where it keeps the target's law exactly: at
-   temperature 0, or for deterministic drafts (point masses, whose verification is exact
-   however they were chosen). A sampled tree is never cut by its own drawn values.
+   every verification) times its parent's; the nodes are kept best first as far as the best
+   rate of tokens per second reaches, k nodes costing what k nodes add on the rows curve.
+   Only where it keeps the target's law exactly: at temperature 0, or for deterministic
+   drafts (point masses, whose verification is exact however they were chosen). A sampled
+   tree is never cut by its own drawn values.
 2. observe: the step's seconds update the running costs of its planned depth (or of a
-   plain step) and the cost of a verified row (a least-squares line with forgetting
-   over the rows); the outcome updates u_d, the rows per depth and the calibration bins (a
-   drafted step's, in one pass before the estimates are next recomputed). The
+   plain step) and what its rows added beyond a plain step (``RowsCurve``: an average per
+   size of draft, joined into a non-decreasing curve); the outcome updates u_d, the rows
+   per depth and the calibration bins (a drafted step's, in one pass before the estimates
+   are next recomputed). The
    running averages follow the context as it grows. A pause of the machine is not a cost:
    a step's rest counts as at most ``PAUSE_BOUND`` plain steps per verified row, and one
    probe's loss (with what it slows the plain steps after it) counts for at most
@@ -58,7 +62,7 @@ from dataclasses import dataclass
 from draftsmith.proposers.core.tree import keep_nodes
 from draftsmith.proposers.core.types import Draft, VerifyResult
 
-from .estimates import RobustLine, RunningLine, ShapeEstimates, average
+from .estimates import RobustLine, RowsCurve, ShapeEstimates, average
 from .probes import ProbeLedger
 
 CONFIDENCE_EDGES = (0.05, 0.15, 0.3, 0.5, 0.7, 0.85, 0.95)  # calibration bins of a node's own draft probability
@@ -131,7 +135,7 @@ class Controller:
         )
         self.plain_seconds: float | None = None  # a plain step, running average
         self.draft_scale = 1.0  # what every shape's and depth's drafting cost is multiplied by (``learn_draft_cost``)
-        self.rows_model = RunningLine(0.98)  # the rest of a drafted step against its nodes beyond the first
+        self.rows = RowsCurve()  # what a drafted step's verifying adds to a plain step's cost, against the nodes verified
         self.bins: dict[str, list[list[float]]] = {}  # source -> per calibration bin [accepted, rejected], decayed
         self.plain_run, self.drafted_steps, self.probe_pending = 0, 0, False
         self.probes = ProbeLedger()  # what probes may lose, and what they lost
@@ -142,7 +146,6 @@ class Controller:
         self.seconds = 0.0  # the controller's own work
         self._estimates: list[tuple[list[float], list[float | None]]] | None = None  # per shape (shares, plan costs), now and then
         self._decisions: dict[int, tuple[int, int, int]] = {}  # room -> (plan depth, shape, best drafting depth), with the estimates
-        self._rows_cost: tuple[float, float] | None = None  # ``_row_costs``, until the rows line is next updated
         self._chances: dict[str, list[float]] = {}  # source -> each bin's chance, until its bins are next updated
         self.observed = 0  # drafted steps observed
         self._pending: list[tuple] = []  # drafted steps observed and not learnt from yet (``_learn_pending``)
@@ -150,15 +153,6 @@ class Controller:
         self._headroom = float("inf")  # how far (log) that cost may move before a plain decision of theirs could turn (``_decide``)
 
     # -- costs ---------------------------------------------------------------------------
-
-    def _row_costs(self) -> tuple[float, float]:
-        """(the rest of a step that verifies one node, each further node), from the rows line; (inf, 0) before it has data."""
-        if self._rows_cost is None:
-            if self.rows_model.count < 2:
-                return float("inf"), 0.0
-            first, per_row = self.rows_model.line()
-            self._rows_cost = max(first, 1e-6), max(per_row, 0.0)
-        return self._rows_cost
 
     def start(self) -> None:
         """A new request: its proposer has fed none of its context yet (the first draft catches up the prompt)."""
@@ -173,8 +167,7 @@ class Controller:
         if self._estimates is None:
             if self._pending:
                 self._learn_pending()
-            per_row = self._row_costs()[1]
-            self._estimates = [shape.estimate(self.drafted_steps, self.plain_seconds, per_row, self.draft_scale) for shape in self.shapes]
+            self._estimates = [shape.estimate(self.drafted_steps, self.plain_seconds, self.rows, self.draft_scale) for shape in self.shapes]
             self._estimated_plain = self.plain_seconds or 0.0
             self._decisions, self._headroom = {}, float("inf")
         decision = self._decisions.get(deepest)
@@ -285,11 +278,11 @@ class Controller:
             exact_any_subset: whether any subset closed under ancestors keeps the target's law
                 (temperature 0, or a deterministic draft); else the draft is kept whole.
         """
-        n = draft.num_nodes
-        first, per_row = self._row_costs()
-        if not n or not exact_any_subset or self.plain_seconds is None or first == float("inf"):
+        n, plain = draft.num_nodes, self.plain_seconds
+        if not n or not exact_any_subset or plain is None or not self.rows.ready:
             return draft, None
         tick = time.perf_counter()
+        extra, floor = self.rows.table(n)  # what k nodes add to a step; the least a k-th or later node adds
         scores, source = draft.scores, draft.source or ""
         chances = self._chances.get(source) or self._chance_table(source)
         value: list[float] = []
@@ -299,12 +292,12 @@ class Controller:
             chance = chances[index if score is None else index + 1 + bisect_right(CONFIDENCE_EDGES, score)]
             push(chance * value[parent] if parent >= 0 else chance)
         order = sorted(range(n), key=value.__getitem__, reverse=True)  # stable: a parent (not less likely, earlier) first
-        best_k, best_rate, expected = 0, 1.0 / self.plain_seconds, 1.0
+        best_k, best_rate, expected = 0, 1.0 / plain, 1.0
         for k, node in enumerate(order, start=1):
-            if k > 1 and value[node] < per_row * best_rate:
-                break  # a row buys less than the rate so far, and every later node is no likelier
+            if value[node] < floor[k] * best_rate:
+                break  # its row, and every later one, buys less than the rate so far, and every later node is no likelier
             expected += value[node]
-            rate = expected / (first + per_row * (k - 1))
+            rate = expected / (plain + extra[k])
             if rate > best_rate:
                 best_k, best_rate = k, rate
         kept = None if best_k == n else sorted(order[:best_k])
@@ -381,14 +374,14 @@ class Controller:
                 self.catch_up.update(float(missed), max(draft_seconds - shape.draft_base[plan.depth] * self.draft_scale, 0.0))
             if plain is not None:
                 shape.learn_verify_cost(plan.depth, rest - plain, plain)
-            if depths:
-                self.rows_model.update(len(depths) - 1.0, rest)
+            if depths and plain is not None:
+                self.rows.update(len(depths), rest - plain)
             shape.learn_depths(plan.depth, depths, len(accepted), self.decay, now)
             if shape is not self.shapes[0]:  # a tree holds the chain of first children: what that chain would have accepted
-                self.shapes[0].learn_depths(plan.depth, None, _first_children_accepted(parents, accepted), self.decay, now)
+                length, reach = _first_children_chain(parents, accepted)  # only the depths it held (a trim may cut it short)
+                self.shapes[0].learn_depths(min(length, plan.depth), None, reach, self.decay, now)
             if calibrate:
                 self._learn_bins(parents, scores, depths, source, accepted, greedy)
-        self._rows_cost = None
 
     def _learn_bins(self, parents: list[int], scores, depths: list[int], source: str, accepted_nodes: list[int], greedy: bool) -> None:
         bins = self.bins.get(source) or self.bins.setdefault(source, [[0.0, 0.0] for _ in PRIORS])
@@ -417,11 +410,10 @@ class Controller:
 
     def snapshot(self) -> dict:
         """The current estimates, for stats and tables: costs (ms) and acceptance per depth, per shape."""
-        per_row = self._row_costs()[1]  # as learnt so far: drafted steps since the last plan's refresh are still pending
-        shapes = [shape.snapshot(self.plain_seconds, per_row, self.draft_scale) for shape in self.shapes]
+        shapes = [shape.snapshot(self.plain_seconds, self.rows, self.draft_scale) for shape in self.shapes]  # as learnt so far
         return {
             "plain_step_ms": None if self.plain_seconds is None else round(1000 * self.plain_seconds, 3),
-            "row_ms": round(1000 * per_row, 4),
+            "rows_ms": [[round(nodes, 2), round(1000 * extra, 3)] for nodes, extra in self.rows.points()],  # (nodes, ms they add)
             "planned_by_depth": self.planned,
             "shapes": shapes,
             "probe_credit_ms": round(1000 * self.probes.credit, 3),
@@ -430,18 +422,23 @@ class Controller:
         }
 
 
-def _first_children_accepted(parents: list[int], accepted_nodes: list[int]) -> int:
-    """How far the accepted path runs through first children (in draft order): what the chain of first children would accept.
+def _first_children_chain(parents: list[int], accepted_nodes: list[int]) -> tuple[int, int]:
+    """(how deep the chain of first children (in draft order) runs, how far the accepted path runs through it).
 
     The verifier tests a node's children in draft order (all at once at temperature 0, where
-    only one can match), so the first child's test is the same whether siblings follow or not.
+    only one can match), so the first child's test is the same whether siblings follow or not:
+    the chain of first children accepts what a chain of that depth would have. Depths it does
+    not reach (a trimmed tree's) say nothing of what a chain would accept there.
     """
     first: dict[int, int] = {}
     for node, parent in enumerate(parents):
         first.setdefault(parent, node)
+    length, node = 0, first.get(-1)
+    while node is not None:
+        length, node = length + 1, first.get(node)
     reach = 0
     for node in accepted_nodes:
         if first[parents[node]] != node:
             break
         reach += 1
-    return reach
+    return length, reach

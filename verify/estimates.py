@@ -10,6 +10,7 @@ which ``verify.controller.Controller`` keeps.
 from __future__ import annotations
 
 import statistics
+from bisect import bisect_left
 from collections import deque
 from itertools import accumulate
 
@@ -20,29 +21,95 @@ _STALE_POWERS = tuple(STALE**gap for gap in range(256))  # STALE ** gap for the 
 DRAFT_AVERAGE = 0.25  # the weight of a drafting measurement in the scale every depth's drafting cost shares
 
 
-class RunningLine:
-    """``y ~ a + b x`` by weighted least squares with exponential forgetting, kept as running moments (O(1) per point).
+ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # node counts: a bucket holds those up to its bound
+ROW_WEIGHT = 10  # the most steps one bucket weighs for in the curve's pooling (its average's window)
 
-    Args:
-        forget: each older point weighs this much less (0.98: a window of ~50).
+
+class RowsCurve:
+    """What verifying n draft nodes adds to a step beyond a plain step's: an average per bucket of n, joined into a
+    non-decreasing piecewise-linear curve.
+
+    A target's forward is not linear in its rows. On this CPU with the demo target one node adds
+    about 0.8 ms to a 3.9 ms step, four 1.8 ms, sixteen 3.2 ms (the matrix kernels change path
+    as the rows grow); on a GPU rows are nearly free up to a tile. A line through what the
+    steps verified priced the sixteenth node of an EAGLE-3 tree at about twice its cost, and the
+    trim cut nodes that paid. Each bucket keeps the mean of its node counts and of what they
+    added (equal weights over its first steps, then a running average over ~10); the curve
+    joins those points, pooled where a larger count measured less (isotonic regression: more
+    rows never cost less), carries its last segment's slope beyond the last point, and its
+    first segment's back towards one node (never below the chord from none).
     """
 
-    def __init__(self, forget: float):
-        self.forget, self.count = forget, 0
-        self.n = self.x = self.y = self.xx = self.xy = 0.0
+    def __init__(self):
+        size = len(ROW_BUCKETS) + 1
+        self.count, self.nodes, self.extra = [0] * size, [0.0] * size, [0.0] * size
+        self._points: list[tuple[float, float]] | None = None
+        self._table: tuple[list[float], list[float]] = ([0.0], [0.0])  # ``table``'s, until the curve moves
 
-    def update(self, x: float, y: float) -> None:
-        f = self.forget
-        self.n, self.x, self.y = f * self.n + 1.0, f * self.x + x, f * self.y + y
-        self.xx, self.xy = f * self.xx + x * x, f * self.xy + x * y
-        self.count += 1
+    def update(self, nodes: int, extra: float) -> None:
+        """One step that verified ``nodes`` nodes (>= 1) and took ``extra`` seconds beyond a plain step."""
+        bucket = bisect_left(ROW_BUCKETS, nodes)
+        count = self.count[bucket] = self.count[bucket] + 1
+        weight = max(1.0 / count, AVERAGE)
+        self.nodes[bucket] += weight * (nodes - self.nodes[bucket])
+        self.extra[bucket] += weight * (extra - self.extra[bucket])
+        self._points = None
 
-    def line(self) -> tuple[float, float]:
-        """(a, b); b is 0 until the points spread along x."""
-        mean_x, mean_y = self.x / self.n, self.y / self.n
-        spread = self.xx / self.n - mean_x * mean_x
-        slope = (self.xy / self.n - mean_x * mean_y) / spread if spread > 1e-9 else 0.0
-        return mean_y - slope * mean_x, slope
+    def points(self) -> list[tuple[float, float]]:
+        """The curve's points (mean nodes, mean extra seconds), increasing in both, pooled where a bucket broke the order."""
+        if self._points is None:
+            pooled: list[list[float]] = []  # [weighted nodes, weighted extra, weight]
+            for count, nodes, extra in zip(self.count, self.nodes, self.extra, strict=True):
+                if not count:
+                    continue
+                weight = min(count, ROW_WEIGHT)
+                pooled.append([weight * nodes, weight * extra, weight])
+                while len(pooled) > 1 and pooled[-2][1] * pooled[-1][2] > pooled[-1][1] * pooled[-2][2]:
+                    last = pooled.pop()
+                    pooled[-1] = [a + b for a, b in zip(pooled[-1], last, strict=True)]
+            self._points = [(n / w, max(e / w, 0.0)) for n, e, w in pooled]
+            self._table = ([0.0], [0.0])
+        return self._points
+
+    @property
+    def ready(self) -> bool:
+        """Whether two sizes are measured (a slope to carry): before, nothing is trimmed by it."""
+        return len(self.points()) >= 2
+
+    def at(self, nodes: float) -> float:
+        """Seconds ``nodes`` nodes add to a step (0 for none; flat at the one point measured, if one)."""
+        points = self.points()
+        if nodes <= 0 or not points:
+            return 0.0
+        if len(points) == 1:
+            return points[0][1]
+        index = bisect_left(points, (nodes, -1.0))  # the first point at or beyond ``nodes``
+        if index == 0:  # below the first point: its segment carried back, no lower than the chord from none
+            (x0, y0), (x1, y1) = points[0], points[1]
+            return max(y0 - (y1 - y0) / (x1 - x0) * (x0 - nodes), y0 * nodes / x0)
+        index = min(index, len(points) - 1)  # beyond the last point: the last segment carried on
+        (x0, y0), (x1, y1) = points[index - 1], points[index]
+        return y0 + (y1 - y0) / (x1 - x0) * (nodes - x0)
+
+    def table(self, n: int) -> tuple[list[float], list[float]]:
+        """(the extra seconds of 0..n nodes, each count's least marginal cost from it on): what the trim reads, kept until the curve moves.
+
+        ``floor[k]`` is the least a k-th or later node adds: a node worth less than that at the
+        best rate so far, with none after it likelier, cannot raise the rate.
+        """
+        if self._points is None:
+            self.points()  # the table of the curve as it is now
+        extra, floor = self._table
+        if len(extra) <= n:
+            size = max(n + 1, 2 * len(extra))
+            extra = [0.0] + [self.at(k) for k in range(1, size)]
+            floor = [0.0] * size
+            least = float("inf")
+            for k in range(size - 1, 0, -1):
+                least = min(least, extra[k] - extra[k - 1])
+                floor[k] = least
+            self._table = (extra, floor)
+        return extra, floor
 
 
 class RobustLine:
@@ -116,11 +183,11 @@ class ShapeEstimates:
                 out.append(self.draft_base[k] * scale * (depth + 1) / (k + 1))
         return out
 
-    def plan_costs(self, plain: float | None, per_row: float, scale: float, mean_rows: list[float]) -> list[float | None]:
+    def plan_costs(self, plain: float | None, curve: RowsCurve, scale: float, mean_rows: list[float]) -> list[float | None]:
         """Seconds of a step planned at each depth (index 0: ``plain``); None where nothing says yet.
 
-        A depth not measured yet costs the nearest measured one's, plus its extra rows at
-        ``per_row`` seconds, plus its drafting scaled by depth (``draft_costs``). No depth costs
+        A depth not measured yet costs the nearest measured one's, plus what its extra rows
+        add on the rows ``curve``, plus its drafting scaled by depth (``draft_costs``). No depth costs
         more than a deeper one: each depth's average is its own few steps (a depth planned
         seldom keeps a dear average long), and a shallower draft is a prefix of a deeper one.
         """
@@ -130,10 +197,15 @@ class ShapeEstimates:
         if plain is None or near[0] < 0:
             return [plain] + [None] * (len(verify) - 1)
         costs: list[float | None] = [plain]
+        extra: list[float] | None = None  # the curve at whole node counts, read between them
         for depth in range(1, len(verify)):
             k = near[depth]
             step = plain + drafting[depth] + verify[k]
-            costs.append(step if k == depth else step + per_row * (mean_rows[depth] - mean_rows[k]))
+            if k == depth:
+                costs.append(step)
+                continue
+            extra = extra or curve.table(int(max(mean_rows)) + 1)[0]
+            costs.append(step + _between(extra, mean_rows[depth]) - _between(extra, mean_rows[k]))
         for depth in range(len(costs) - 2, 0, -1):  # a draft cut at a depth is a prefix of a deeper one: it costs no more
             costs[depth] = min(costs[depth], costs[depth + 1])
         return costs
@@ -147,7 +219,7 @@ class ShapeEstimates:
             )
         return self._near
 
-    def estimate(self, now: int, plain: float | None, per_row: float, scale: float) -> tuple[list[float], list[float | None]]:
+    def estimate(self, now: int, plain: float | None, curve: RowsCurve, scale: float) -> tuple[list[float], list[float | None]]:
         """Per depth (index 0: a plain step): the share of steps whose accepted path reaches it, and a step's seconds.
 
         Each depth's share has one pseudo-step of a prior extrapolated from the depth above
@@ -167,7 +239,7 @@ class ShapeEstimates:
             mean_rows.append(prior_rows)
             ratio = share / above
             prior, above = share * (0.3 if ratio < 0.3 else 0.95 if ratio > 0.95 else ratio), share
-        return shares, self.plan_costs(plain, per_row, scale, mean_rows)
+        return shares, self.plan_costs(plain, curve, scale, mean_rows)
 
     def learn_depths(self, planned: int, depths: list[int] | None, accepted: int, decay: float, now: int) -> None:
         """Count one drafted step planned at ``planned``: its nodes' ``depths`` (None: a chain, one per depth), its ``accepted`` length."""
@@ -225,9 +297,9 @@ class ShapeEstimates:
             extra = min(extra, known + max(known, plain))
         self.verify_seconds[depth] = average(known, extra)
 
-    def snapshot(self, plain: float | None, per_row: float, scale: float) -> dict:
+    def snapshot(self, plain: float | None, curve: RowsCurve, scale: float) -> dict:
         """This shape's estimates in ms, and its acceptance per depth, for stats and tables."""
-        costs = self.plan_costs(plain, per_row, scale, [0.0] * len(self.reached))
+        costs = self.plan_costs(plain, curve, scale, [0.0] * len(self.reached))
         return {
             "width": self.width,
             "step_ms_by_depth": [None if s is None else round(1000 * s, 3) for s in costs[1:]],
@@ -235,6 +307,12 @@ class ShapeEstimates:
             "accept_share_by_depth": [round(a / r, 3) if r else None for a, r in zip(self.accepted[1:], self.reached[1:], strict=True)],
             "planned_by_depth": self.planned[1:],
         }
+
+
+def _between(table: list[float], x: float) -> float:
+    """``table`` (values at 0, 1, 2, ...) read at ``x`` >= 0, linearly between its entries."""
+    whole = int(x)
+    return table[whole] + (x - whole) * (table[whole + 1] - table[whole]) if whole + 1 < len(table) else table[whole]
 
 
 def _nearest(known: list[bool]) -> list[int]:

@@ -26,7 +26,7 @@ from draftsmith.proposers.draft_model import DraftModelProposer
 from draftsmith.verify import SpeculativeDecoder, load_target
 from draftsmith.verify import controller as controller_module
 from draftsmith.verify import probes as probes_module
-from draftsmith.verify.controller import Controller, Plan, RunningLine
+from draftsmith.verify.controller import Controller, Plan
 from draftsmith.verify.estimates import RobustLine
 from draftsmith.verify.evaluation.demo import DEMO_TARGET, SHIPPED, trained_drafts
 
@@ -194,14 +194,6 @@ def test_trimming_keeps_the_likely_nodes_closed_under_ancestors():
     assert kept and 0 < len(kept) < 7 and 0 in kept and 1 not in kept, kept
     assert all(parents[i] < 0 or int(parents[i]) in kept for i in kept)
     assert controller.trim(draft, 100, exact_any_subset=False) == (draft, None)  # a sampled draft is never cut by its values
-
-
-def test_the_rows_line_recovers_a_line():
-    line = RunningLine(0.98)
-    for i in range(100):
-        line.update(float(i % 7), 2.0 + 0.25 * (i % 7))
-    a, b = line.line()
-    assert a == pytest.approx(2.0) and b == pytest.approx(0.25)
 
 
 class FiveDeepChain(ProposerBase):
@@ -406,14 +398,24 @@ def test_the_catch_up_price_shrugs_off_a_pause_and_small_catch_ups():
     positions: the robust line prices 960 positions within 20% of 10.1. Negative control: least squares with forgetting
     (the line used before) prices them above 50, which would hold probes back for thousands of plain steps."""
     points = [(3, 0.53), (5, 0.55), (2, 0.52), (130, 1.8 + 50.0), (4, 0.54), (140, 1.9), (6, 0.56), (3, 0.53)]
-    robust, squares = RobustLine(), RunningLine(0.9)
+    robust = RobustLine()
     for x, y in points:
         robust.update(float(x), y)
-        squares.update(float(x), y)
     a, b = robust.line()
     assert a + 960 * b == pytest.approx(0.5 + 9.6, rel=0.2)
-    a, b = squares.line()
+    a, b = least_squares(points, forget=0.9)
     assert a + 960 * b > 50
+
+
+def least_squares(points: list[tuple[float, float]], forget: float) -> tuple[float, float]:
+    """``y ~ a + b x`` by least squares, each older point weighing ``forget`` times less: (a, b)."""
+    weights = [forget ** (len(points) - 1 - i) for i in range(len(points))]
+    total = sum(weights)
+    mean_x = sum(w * x for w, (x, _) in zip(weights, points, strict=True)) / total
+    mean_y = sum(w * y for w, (_, y) in zip(weights, points, strict=True)) / total
+    spread = sum(w * (x - mean_x) ** 2 for w, (x, _) in zip(weights, points, strict=True))
+    slope = sum(w * (x - mean_x) * (y - mean_y) for w, (x, y) in zip(weights, points, strict=True)) / spread
+    return mean_y - slope * mean_x, slope
 
 
 def test_a_proposer_is_probed_after_the_ceiling_whatever_its_catching_up_is_priced_at(monkeypatch):

@@ -1,10 +1,16 @@
-"""What the speculation controller knows of a draft shape: its acceptance counts and how they forget."""
+"""What the speculation controller knows of a draft shape (its acceptance counts and how they forget), and of a draft's rows."""
 
 from __future__ import annotations
 
-import pytest
+import math
+import random
 
-from draftsmith.verify.estimates import STALE, ShapeEstimates, average
+import pytest
+import torch
+
+from draftsmith.proposers.core.types import Draft, VerifyResult
+from draftsmith.verify.controller import Controller, Plan, _first_children_chain
+from draftsmith.verify.estimates import STALE, RowsCurve, ShapeEstimates, average
 
 
 def test_a_depth_counted_every_drafted_step_forgets_at_the_stated_decay_and_a_skipped_one_goes_stale():
@@ -46,7 +52,7 @@ def test_a_pause_inside_a_step_moves_its_depths_cost_by_a_bounded_amount_and_a_s
     assert unbounded > 1.8 * before
     for _ in range(3):  # depth 2's few steps were dear: 3 plain steps over the rest
         shape.learn_verify_cost(2, 3.0 * plain, plain)
-    costs = shape.plan_costs(plain, 0.0, 1.0, [0.0] * 7)
+    costs = shape.plan_costs(plain, RowsCurve(), 1.0, [0.0] * 7)
     assert costs[2] == pytest.approx(costs[3]) and costs[3] < plain + 0.2 + shape.verify_seconds[2]
     assert all(costs[d] <= costs[d + 1] for d in range(1, 6)), costs
 
@@ -62,3 +68,59 @@ def test_a_chain_s_depths_may_be_left_implicit_and_nodes_below_the_planned_depth
         implicit.reached, implicit.accepted, implicit.rows, implicit.stamp]  # fmt: skip
     tree.learn_depths(2, [1, 1, 2, 3, 3], 3, 0.95, 1)
     assert tree.rows[1:4] == [2.0, 3.0, 0.0] and tree.accepted[1:4] == [1.0, 1.0, 0.0]
+
+
+def test_the_rows_curve_follows_a_concave_cost_and_more_rows_never_cost_less():
+    """Rows costing 0.8 ms * sqrt(n) (this CPU's shape), +-15% noise (seed 0), drafts of 1-4 nodes mostly and a few of 16:
+    the curve is within 10% of the truth at 1-16 nodes and 15% at 8 (between points), non-decreasing, and its floor
+    under every marginal cost. Negative control: a least-squares line through the same steps (the model used before)
+    prices one node 20% high, and each row from 4 to 16 nodes above the curve."""
+    rng, truth = random.Random(0), lambda n: 0.8e-3 * math.sqrt(n)
+    sizes, curve, seen = [1] * 5 + [2] * 10 + [3] * 10 + [4] * 5 + [16] * 3, RowsCurve(), []
+    for _ in range(4):
+        rng.shuffle(sizes)
+        for n in sizes:
+            extra = truth(n) * rng.uniform(0.85, 1.15)
+            curve.update(n, extra)
+            seen.append((n, extra))
+    assert curve.ready
+    for n, bound in ((1, 0.1), (2, 0.1), (3, 0.1), (4, 0.1), (8, 0.15), (16, 0.1)):
+        assert curve.at(n) == pytest.approx(truth(n), rel=bound), n
+    extra, floor = curve.table(40)
+    assert all(extra[k] <= extra[k + 1] for k in range(40)) and len(extra) > 40
+    assert all(floor[k] <= extra[k] - extra[k - 1] + 1e-12 for k in range(1, 41))
+    xs, ys = [n for n, _ in seen], [y for _, y in seen]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in seen) / sum((x - mean_x) ** 2 for x in xs)
+    assert mean_y + slope * (1 - mean_x) > 1.2 * truth(1)
+    assert slope > (curve.at(16) - curve.at(4)) / 12
+
+
+def test_a_rows_curve_with_one_size_is_flat_and_not_ready_and_a_cheaper_larger_size_is_pooled():
+    curve = RowsCurve()
+    assert curve.at(3) == 0.0 and not curve.ready
+    curve.update(2, 1.0)
+    assert curve.at(1) == curve.at(9) == 1.0 and not curve.ready
+    curve.update(8, 0.6)  # more rows measured cheaper (noise): pooled into one level (no slope yet), never a falling curve
+    assert not curve.ready and curve.at(2) == curve.at(8) == pytest.approx(0.8)
+    curve.update(16, 1.5)
+    assert curve.points() == [(5.0, pytest.approx(0.8)), (16.0, 1.5)]  # the pooled level sits at its sizes' mean
+    assert curve.ready and curve.at(2) == pytest.approx(0.8 - 3 * 0.7 / 11)  # below it, the first segment carried back
+
+
+def test_a_trimmed_tree_teaches_the_chain_only_the_depths_its_first_children_reach():
+    """A tree planned 4 deep, trimmed to first children 2 deep (plus a sibling), both accepted: the chain shape counts
+    depths 1-2 as reached and accepted, and depths 3-4 not at all (nothing says what a chain would accept there).
+    Negative control: counted to the planned depth, as before, depths 3-4 would read as drafted and rejected."""
+    controller = Controller(4, max_width=2)
+    controller.plain_seconds = 1.0
+    draft = Draft(torch.tensor([5, 6, 7]), torch.tensor([-1, 0, -1]), scores=[0.9, 0.8, 0.1])  # first children 0 -> 1
+    result = VerifyResult([0, 1], [5, 6], 9, False)
+    controller.observe(Plan(4, shape=1), draft, result, 100, 0.1, 1.5, greedy=True)
+    controller._learn_pending()
+    chain = controller.shapes[0]
+    assert chain.reached[1:] == [1.0, 1.0, 0.0, 0.0] and chain.accepted[1:] == [1.0, 1.0, 0.0, 0.0]
+    assert _first_children_chain(draft.parent_list, result.accepted_nodes) == (2, 2)
+    old = ShapeEstimates(1, 4)
+    old.learn_depths(4, None, 2, 0.95, 1)
+    assert old.reached[3:] == [1.0, 1.0] and old.accepted[3:] == [0.0, 0.0]
