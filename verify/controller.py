@@ -430,15 +430,14 @@ def _first_children_chain(parents: list[int], accepted_nodes: list[int]) -> tupl
     the chain of first children accepts what a chain of that depth would have. Depths it does
     not reach (a trimmed tree's) say nothing of what a chain would accept there.
     """
-    first: dict[int, int] = {}
-    for node, parent in enumerate(parents):
-        first.setdefault(parent, node)
-    length, node = 0, first.get(-1)
-    while node is not None:
-        length, node = length + 1, first.get(node)
+    chain, last = [], -1
+    for node, parent in enumerate(parents):  # parents come first: the first node after ``last`` under it is its first child
+        if parent == last:
+            chain.append(node)
+            last = node
     reach = 0
-    for node in accepted_nodes:
-        if first[parents[node]] != node:
+    for node, first in zip(accepted_nodes, chain, strict=False):  # the accepted path may leave the chain, or outrun it
+        if node != first:
             break
         reach += 1
-    return length, reach
+    return len(chain), reach
