@@ -39,6 +39,20 @@ def linear_costs(drafting_per_depth: float = 0.1, per_row: float = 0.05, drafted
     return costs
 
 
+def least_squares(points: list[tuple[float, float]], forget: float) -> tuple[float, float]:
+    """``y ~ a + b x`` by least squares, each older point weighing ``forget`` times less: (a, b).
+
+    The cost line the controller used before its robust catch-up line and its rows curve: their tests' negative control.
+    """
+    weights = [forget ** (len(points) - 1 - i) for i in range(len(points))]
+    total = sum(weights)
+    mean_x = sum(w * x for w, (x, _) in zip(weights, points, strict=True)) / total
+    mean_y = sum(w * y for w, (_, y) in zip(weights, points, strict=True)) / total
+    spread = sum(w * (x - mean_x) ** 2 for w, (x, _) in zip(weights, points, strict=True))
+    slope = sum(w * (x - mean_x) * (y - mean_y) for w, (x, y) in zip(weights, points, strict=True)) / spread
+    return mean_y - slope * mean_x, slope
+
+
 class Clocked(Controller):
     """The controller with a deterministic clock: ``costs(plan, draft)`` replaces the measured seconds."""
 

@@ -372,10 +372,10 @@ class Controller:
                 self.draft_scale = shape.learn_draft_cost(plan.depth, draft_seconds, self.draft_scale)
             elif shape.draft_base[plan.depth] is not None:  # a catch-up: what it cost beyond the drafting
                 self.catch_up.update(float(missed), max(draft_seconds - shape.draft_base[plan.depth] * self.draft_scale, 0.0))
-            if plain is not None:
+            if plain is not None:  # what the step added beyond a plain step: its depth's cost, and its size's on the rows curve
                 shape.learn_verify_cost(plan.depth, rest - plain, plain)
-            if depths and plain is not None:
-                self.rows.update(len(depths), rest - plain)
+                if depths:
+                    self.rows.update(len(depths), rest - plain)
             shape.learn_depths(plan.depth, depths, len(accepted), self.decay, now)
             if shape is not self.shapes[0]:  # a tree holds the chain of first children: what that chain would have accepted
                 length, reach = _first_children_chain(parents, accepted)  # only the depths it held (a trim may cut it short)

@@ -91,6 +91,15 @@ class RowsCurve:
         (x0, y0), (x1, y1) = points[index - 1], points[index]
         return y0 + (y1 - y0) / (x1 - x0) * (nodes - x0)
 
+    def read(self, counts: list[float]) -> list[float]:
+        """``at`` of each of ``counts`` (>= 0), read off the table linearly between whole counts (no search: the plan reads rows)."""
+        extra = self.table(int(max(counts)) + 1)[0]
+        out = []
+        for nodes in counts:
+            whole = int(nodes)
+            out.append(extra[whole] + (nodes - whole) * (extra[whole + 1] - extra[whole]))
+        return out
+
     def table(self, n: int) -> tuple[list[float], list[float]]:
         """(the extra seconds of 0..n nodes, each count's least marginal cost from it on): what the trim reads, kept until the curve moves.
 
@@ -197,15 +206,14 @@ class ShapeEstimates:
         if plain is None or near[0] < 0:
             return [plain] + [None] * (len(verify) - 1)
         costs: list[float | None] = [plain]
-        extra: list[float] | None = None  # the curve at whole node counts, read between them
+        added: list[float] | None = None  # what each depth's mean rows add on the curve, read once when a depth needs it
         for depth in range(1, len(verify)):
             k = near[depth]
             step = plain + drafting[depth] + verify[k]
-            if k == depth:
-                costs.append(step)
-                continue
-            extra = extra or curve.table(int(max(mean_rows)) + 1)[0]
-            costs.append(step + _between(extra, mean_rows[depth]) - _between(extra, mean_rows[k]))
+            if k != depth:
+                added = added or curve.read(mean_rows)
+                step += added[depth] - added[k]
+            costs.append(step)
         for depth in range(len(costs) - 2, 0, -1):  # a draft cut at a depth is a prefix of a deeper one: it costs no more
             costs[depth] = min(costs[depth], costs[depth + 1])
         return costs
@@ -307,12 +315,6 @@ class ShapeEstimates:
             "accept_share_by_depth": [round(a / r, 3) if r else None for a, r in zip(self.accepted[1:], self.reached[1:], strict=True)],
             "planned_by_depth": self.planned[1:],
         }
-
-
-def _between(table: list[float], x: float) -> float:
-    """``table`` (values at 0, 1, 2, ...) read at ``x`` >= 0, linearly between its entries."""
-    whole = int(x)
-    return table[whole] + (x - whole) * (table[whole + 1] - table[whole]) if whole + 1 < len(table) else table[whole]
 
 
 def _nearest(known: list[bool]) -> list[int]:

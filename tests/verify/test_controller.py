@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from law import Clocked, V, assert_follows_law, assert_law_rejects, linear_costs
+from law import Clocked, V, assert_follows_law, assert_law_rejects, least_squares, linear_costs
 
 from draftsmith.proposers import load_proposer
 from draftsmith.proposers.core.proposer import ProposerBase
@@ -405,17 +405,6 @@ def test_the_catch_up_price_shrugs_off_a_pause_and_small_catch_ups():
     assert a + 960 * b == pytest.approx(0.5 + 9.6, rel=0.2)
     a, b = least_squares(points, forget=0.9)
     assert a + 960 * b > 50
-
-
-def least_squares(points: list[tuple[float, float]], forget: float) -> tuple[float, float]:
-    """``y ~ a + b x`` by least squares, each older point weighing ``forget`` times less: (a, b)."""
-    weights = [forget ** (len(points) - 1 - i) for i in range(len(points))]
-    total = sum(weights)
-    mean_x = sum(w * x for w, (x, _) in zip(weights, points, strict=True)) / total
-    mean_y = sum(w * y for w, (_, y) in zip(weights, points, strict=True)) / total
-    spread = sum(w * (x - mean_x) ** 2 for w, (x, _) in zip(weights, points, strict=True))
-    slope = sum(w * (x - mean_x) * (y - mean_y) for w, (x, y) in zip(weights, points, strict=True)) / spread
-    return mean_y - slope * mean_x, slope
 
 
 def test_a_proposer_is_probed_after_the_ceiling_whatever_its_catching_up_is_priced_at(monkeypatch):

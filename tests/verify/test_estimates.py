@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from law import least_squares
 
 from draftsmith.proposers.core.types import Draft, VerifyResult
 from draftsmith.verify.controller import Controller, Plan, _first_children_chain
@@ -89,10 +90,8 @@ def test_the_rows_curve_follows_a_concave_cost_and_more_rows_never_cost_less():
     extra, floor = curve.table(40)
     assert all(extra[k] <= extra[k + 1] for k in range(40)) and len(extra) > 40
     assert all(floor[k] <= extra[k] - extra[k - 1] + 1e-12 for k in range(1, 41))
-    xs, ys = [n for n, _ in seen], [y for _, y in seen]
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in seen) / sum((x - mean_x) ** 2 for x in xs)
-    assert mean_y + slope * (1 - mean_x) > 1.2 * truth(1)
+    intercept, slope = least_squares(seen, forget=1.0)
+    assert intercept + slope * 1 > 1.2 * truth(1)
     assert slope > (curve.at(16) - curve.at(4)) / 12
 
 
