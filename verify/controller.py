@@ -26,16 +26,15 @@ itself while it decodes and decides per step:
 2. observe: the step's seconds update the running costs of its planned depth (or of a
    plain step) and what its rows added beyond a plain step (``RowsCurve``: an average per
    size of draft, joined into a non-decreasing curve); the outcome updates u_d, the rows
-   per depth and the calibration bins (a drafted step's, in one pass before the estimates
-   are next recomputed). The
-   running averages follow the context as it grows. A pause of the machine is not a cost:
-   a step's rest counts as at most ``PAUSE_BOUND`` plain steps per verified row, and one
-   probe's loss (with what it slows the plain steps after it) counts for at most
-   ``verify.probes.PROBE_LOSS_CAP`` plain steps, and the next probe is
-   priced at the median of the last few, so probes of a proposer that is off follow each
-   other at most some 400 plain steps apart (plus what catching up costs), whatever the
-   machine's pauses; one step moves its depth's averages by a bounded amount, and no depth
-   is priced above a deeper one (``verify.estimates``).
+   per depth and the calibration bins (in one pass when the estimates are next recomputed:
+   every ``REFRESH_EVERY`` drafted steps, and at once after a probe or a surprising step).
+   The averages follow the context as it grows. A pause of the machine is not a cost: a
+   step's rest counts as at most ``PAUSE_BOUND`` plain steps per verified row, one probe's
+   loss (with what it slows the plain steps after it) as at most
+   ``verify.probes.PROBE_LOSS_CAP`` plain steps, and the next probe is priced at the median
+   of the last few, so probes of a proposer that is off follow each other at most some 400
+   plain steps apart (plus catching up), whatever the machine's pauses; one step moves its
+   depth's averages by a bounded amount, and no depth is priced above a deeper one.
 
 A proposer that stopped paying is asked again now and then (a probe: two drafted steps,
 as often as a credit of 1% of the plain steps' time covers what probes lose, so they follow
@@ -117,6 +116,8 @@ class Controller:
             calibration sees what a trim hides).
     """
 
+    PLAIN = Plan(0)  # a plain step's plan, one instance
+
     def __init__(
         self,
         max_depth: int | None,
@@ -150,6 +151,7 @@ class Controller:
         self.observed = 0  # drafted steps observed
         self._pending: list[tuple] = []  # drafted steps observed and not learnt from yet (``_learn_pending``)
         self._estimated_plain = 0.0  # the plain step's cost the estimates were computed with
+        self._plans: dict[tuple[int, int, bool, bool], Plan] = {}  # (depth, shape, probe, whole) -> its plan (``_plan``)
         self._headroom = float("inf")  # how far (log) that cost may move before a plain decision of theirs could turn (``_decide``)
 
     # -- costs ---------------------------------------------------------------------------
@@ -231,7 +233,10 @@ class Controller:
         return (drafting if rate * plain > 1.0 + MARGIN else 0), shape, drafting
 
     def _plan(self, depth: int, shape: int, probe: bool = False, whole: bool = False) -> Plan:
-        return Plan(depth, probe, whole, shape, self.shapes[shape].width)
+        key = (depth, shape, probe, whole)  # plans are frozen values: one instance of each (a new one a step cost ~2 us)
+        if key not in self._plans:
+            self._plans[key] = Plan(depth, probe, whole, shape, self.shapes[shape].width)
+        return self._plans[key]
 
     def _explore(self, best: int, shape: int, drafting: int, deepest: int, catch_up: float = 0.0) -> Plan:
         """Probe a proposer that is off, now and then; probe around the planned depth and shape, and measure a plain step, now and then.
@@ -247,7 +252,7 @@ class Controller:
         Exploring a drafting proposer alternates one depth deeper with the other shape's best depth.
         """
         if best and (self.since_plain >= (PLAIN_EVERY if self.plain_samples >= PLAIN_SAMPLES else PLAIN_SAMPLES)):
-            return Plan(0)  # keep the plain cost measured: often until it has a few samples, then now and then
+            return self.PLAIN  # keep the plain cost measured: often until it has a few samples, then now and then
         if best == 0:
             if self.probe_pending:  # a probe is two drafted steps: the second one's drafting is not a catch-up, so it is measured
                 self.probe_pending = False
@@ -259,7 +264,7 @@ class Controller:
                 self.plain_run, self.probe_pending = 0, True
                 self.probes.begin(catch_up)
                 return self._plan(drafting, shape, probe=True)
-            return Plan(0)
+            return self.PLAIN
         self.plain_run = 0
         self.drafted_steps += 1
         if self.drafted_steps % self.explore_every:
@@ -348,9 +353,11 @@ class Controller:
                                   missed, draft_seconds, rest, self.plain_seconds, self.drafted_steps, greedy, calibrate))  # fmt: skip
             every = REFRESH_EVERY if self.observed > 2 * REFRESH_EVERY else 2  # often while the estimates are young
             priced = self._estimates[plan.shape][1][plan.depth] if self._estimates is not None else None
-            if self.observed % every == 0 or plan.probe or (priced is not None and step_seconds > SURPRISE * priced):
-                self._estimates = None  # the next plan learns the pending steps first
-            if plan.probe and not plan.whole:
+            dear = priced is not None and step_seconds > SURPRISE * priced
+            paired = plan.probe and not plan.whole  # a probe of a proposer that is off (an exploring step waits its turn)
+            if self.observed % every == 0 or (paired and not self.probe_pending) or dear:
+                self._estimates = None  # the next plan learns the pending steps first (after a probe: whether it is back)
+            if paired:
                 self.probes.step(len(result.committed), step_seconds, self.plain_seconds, last=not self.probe_pending)
             else:
                 self.probes.drafted_step()

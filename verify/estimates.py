@@ -9,6 +9,7 @@ which ``verify.controller.Controller`` keeps.
 
 from __future__ import annotations
 
+import math
 import statistics
 from bisect import bisect_left
 from collections import deque
@@ -45,6 +46,7 @@ class RowsCurve:
         self.count, self.nodes, self.extra = [0] * size, [0.0] * size, [0.0] * size
         self._points: list[tuple[float, float]] | None = None
         self._table: tuple[list[float], list[float]] = ([0.0], [0.0])  # ``table``'s, until the curve moves
+        self._size = 0  # the longest table asked for: rebuilt that long when the curve moves
 
     def update(self, nodes: int, extra: float) -> None:
         """One step that verified ``nodes`` nodes (>= 1) and took ``extra`` seconds beyond a plain step."""
@@ -58,16 +60,17 @@ class RowsCurve:
     def points(self) -> list[tuple[float, float]]:
         """The curve's points (mean nodes, mean extra seconds), increasing in both, pooled where a bucket broke the order."""
         if self._points is None:
-            pooled: list[list[float]] = []  # [weighted nodes, weighted extra, weight]
+            sums: list[tuple[float, float, float]] = []  # per pooled level: (weighted nodes, weighted extra, weight)
             for count, nodes, extra in zip(self.count, self.nodes, self.extra, strict=True):
                 if not count:
                     continue
-                weight = min(count, ROW_WEIGHT)
-                pooled.append([weight * nodes, weight * extra, weight])
-                while len(pooled) > 1 and pooled[-2][1] * pooled[-1][2] > pooled[-1][1] * pooled[-2][2]:
-                    last = pooled.pop()
-                    pooled[-1] = [a + b for a, b in zip(pooled[-1], last, strict=True)]
-            self._points = [(n / w, max(e / w, 0.0)) for n, e, w in pooled]
+                weight = count if count < ROW_WEIGHT else ROW_WEIGHT
+                level_nodes, level_extra = weight * nodes, weight * extra
+                while sums and sums[-1][1] * weight > level_extra * sums[-1][2]:  # a smaller size measured more: pool them
+                    below_nodes, below_extra, below_weight = sums.pop()
+                    level_nodes, level_extra, weight = below_nodes + level_nodes, below_extra + level_extra, below_weight + weight
+                sums.append((level_nodes, level_extra, weight))
+            self._points = [(n / w, max(e / w, 0.0)) for n, e, w in sums]
             self._table = ([0.0], [0.0])
         return self._points
 
@@ -91,31 +94,48 @@ class RowsCurve:
         (x0, y0), (x1, y1) = points[index - 1], points[index]
         return y0 + (y1 - y0) / (x1 - x0) * (nodes - x0)
 
-    def read(self, counts: list[float]) -> list[float]:
-        """``at`` of each of ``counts`` (>= 0), read off the table linearly between whole counts (no search: the plan reads rows)."""
-        extra = self.table(int(max(counts)) + 1)[0]
-        out = []
-        for nodes in counts:
-            whole = int(nodes)
-            out.append(extra[whole] + (nodes - whole) * (extra[whole + 1] - extra[whole]))
+    def _sweep(self, size: int) -> list[float]:
+        """``at`` of 0..size - 1 in one walk along the segments (a search per count rebuilt the table in ~1 us a count).
+
+        The same arithmetic as ``at``, in the same order, so the table and the curve agree exactly.
+        """
+        points = self.points()
+        if len(points) < 2:
+            return [0.0] + [points[0][1] if points else 0.0] * (size - 1)
+        (x0, y0), (x1, y1) = points[0], points[1]
+        slope = (y1 - y0) / (x1 - x0)
+        out, k = [0.0], 1
+        push = out.append
+        while k < size and k <= x0:  # up to the first point: its segment carried back, no lower than the chord from none
+            push(max(y0 - slope * (x0 - k), y0 * k / x0))
+            k += 1
+        last = len(points) - 1
+        for j in range(1, last + 1):  # segment j holds the counts in (x[j - 1], x[j]]; the last one every count beyond
+            (xa, ya), (xb, yb) = points[j - 1], points[j]
+            slope, bound = (yb - ya) / (xb - xa), (math.inf if j == last else xb)
+            while k < size and k <= bound:
+                push(ya + slope * (k - xa))
+                k += 1
         return out
 
     def table(self, n: int) -> tuple[list[float], list[float]]:
         """(the extra seconds of 0..n nodes, each count's least marginal cost from it on): what the trim reads, kept until the curve moves.
 
         ``floor[k]`` is the least a k-th or later node adds: a node worth less than that at the
-        best rate so far, with none after it likelier, cannot raise the rate.
+        best rate so far, with none after it likelier, cannot raise the rate. Rebuilt when the
+        curve moves, as long as the longest asked for since (one rebuild a move, not one per size).
         """
         if self._points is None:
             self.points()  # the table of the curve as it is now
         extra, floor = self._table
         if len(extra) <= n:
-            size = max(n + 1, 2 * len(extra))
-            extra = [0.0] + [self.at(k) for k in range(1, size)]
-            floor = [0.0] * size
-            least = float("inf")
-            for k in range(size - 1, 0, -1):
-                least = min(least, extra[k] - extra[k - 1])
+            self._size = size = max(n + 1, 2 * len(extra), self._size)
+            extra = self._sweep(size)
+            floor, least = [0.0] * size, float("inf")
+            for k in range(size - 1, 0, -1):  # a plain loop: ``accumulate(..., min)`` took three times as long here
+                margin = extra[k] - extra[k - 1]  # what the k-th node adds
+                if margin < least:
+                    least = margin
                 floor[k] = least
             self._table = (extra, floor)
         return extra, floor
@@ -200,22 +220,31 @@ class ShapeEstimates:
         more than a deeper one: each depth's average is its own few steps (a depth planned
         seldom keeps a dear average long), and a shallower draft is a prefix of a deeper one.
         """
-        drafting = self.draft_costs(scale)
-        verify = self.verify_seconds
-        near = self._nearest()[1]
+        verify, base = self.verify_seconds, self.draft_base
+        near_draft, near = self._nearest()
         if plain is None or near[0] < 0:
             return [plain] + [None] * (len(verify) - 1)
         costs: list[float | None] = [plain]
-        added: list[float] | None = None  # what each depth's mean rows add on the curve, read once when a depth needs it
-        for depth in range(1, len(verify)):
+        extra: list[float] | None = None  # the rows curve's table, read when a depth's cost is carried from another's
+        for depth in range(1, len(verify)):  # ``draft_costs`` and the curve's rows inline: this runs at every refresh
+            j = near_draft[depth]
+            drafting = 0.0 if j < 0 else base[depth] * scale if j == depth else base[j] * scale * (depth + 1) / (j + 1)
             k = near[depth]
-            step = plain + drafting[depth] + verify[k]
-            if k != depth:
-                added = added or curve.read(mean_rows)
-                step += added[depth] - added[k]
+            step = plain + drafting + verify[k]
+            if k != depth:  # what its mean rows add on the curve beyond the measured depth's, between whole counts
+                if extra is None:
+                    extra = curve.table(int(max(mean_rows)) + 1)[0]
+                rows, other = mean_rows[depth], mean_rows[k]
+                whole, near_whole = int(rows), int(other)
+                added = extra[whole] + (rows - whole) * (extra[whole + 1] - extra[whole])
+                step += added - (extra[near_whole] + (other - near_whole) * (extra[near_whole + 1] - extra[near_whole]))
             costs.append(step)
+        deeper = costs[-1]
         for depth in range(len(costs) - 2, 0, -1):  # a draft cut at a depth is a prefix of a deeper one: it costs no more
-            costs[depth] = min(costs[depth], costs[depth + 1])
+            if costs[depth] > deeper:
+                costs[depth] = deeper
+            else:
+                deeper = costs[depth]
         return costs
 
     def _nearest(self) -> tuple[list[int], list[int]]:

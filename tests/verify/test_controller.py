@@ -121,6 +121,32 @@ def test_a_good_proposer_drafts_deep_and_a_costly_one_is_re_planned():
     assert sum(after) / len(after) <= 1.0 and sum(d == 0 for d in after) >= 0.5 * len(after), after
 
 
+def refreshes_while_drafting(monkeypatch, after_every_probe: bool) -> tuple[int, int, int]:
+    """(estimates computed, drafted steps, exploring steps) over steps 100-300 of steady drafting (0.9 per depth)."""
+    computed, original, observe = [], controller_module.ShapeEstimates.estimate, Controller.observe
+    monkeypatch.setattr(controller_module.ShapeEstimates, "estimate", lambda *a: computed.append(1) or original(*a))
+
+    def observed(self, plan, *rest):  # the rule before: every probe, an exploring one included, refreshed at once
+        observe(self, plan, *rest)
+        self._estimates = None if after_every_probe and plan.probe else self._estimates
+
+    monkeypatch.setattr(Controller, "observe", observed)
+    controller = Controller(6, explore_every=13)  # exploring steps that mostly fall between the refreshes every 8
+    steps = simulate(controller, 300, lambda step, depth: 0.9, score=0.9, costs=linear_costs(0.02))
+    plans = [plan for step, plan in enumerate(steps) if step != 99 or computed.clear()][100:]  # counted from step 100 on
+    return len(computed), sum(plan.depth > 0 for plan in plans), sum(plan.whole for plan in plans)
+
+
+def test_the_estimates_are_recomputed_every_8_drafted_steps_not_after_each_exploring_step(monkeypatch):
+    """Steady drafting: the estimates are recomputed once per 8 drafted steps; an exploring step (every 13th here, the
+    whole draft one depth deeper) waits its turn. Negative control: recomputing after each exploring step too, as before
+    (one in 8 of them falls on a refresh anyway)."""
+    computed, drafted, explored = refreshes_while_drafting(monkeypatch, after_every_probe=False)
+    assert explored >= 10 and len({computed, drafted // 8, drafted // 8 + 1}) == 2, (computed, drafted, explored)
+    before = refreshes_while_drafting(monkeypatch, after_every_probe=True)[0]
+    assert before >= drafted // 8 + explored - 3, (before, drafted, explored)
+
+
 def test_a_proposer_that_turns_predictable_again_is_switched_back_on():
     """Random text for 150 steps (nothing accepted), then a repeated passage (0.95): drafting resumes within 160 steps and then holds."""
     plans = [plan.depth for plan in simulate(Controller(6), 500, lambda step, depth: 0.0 if step < 150 else 0.95, score=0.9)]
