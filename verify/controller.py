@@ -296,9 +296,9 @@ class Controller:
             index = (depth - 1 if depth < DEPTH_BUCKETS else DEPTH_BUCKETS - 1) * SLOTS  # the depth's bins; slot 0: no score
             chance = chances[index if score is None else index + 1 + bisect_right(CONFIDENCE_EDGES, score)]
             push(chance * value[parent] if parent >= 0 else chance)
-        order = sorted(range(n), key=value.__getitem__, reverse=True)  # stable: a parent (not less likely, earlier) first
+        order = range(n) if draft.is_chain() else sorted(range(n), key=value.__getitem__, reverse=True)  # best first, stable
         best_k, best_rate, expected = 0, 1.0 / plain, 1.0
-        for k, node in enumerate(order, start=1):
+        for k, node in enumerate(order, start=1):  # a parent (no less likely, earlier) first; a chain's values never rise
             if value[node] < floor[k] * best_rate:
                 break  # its row, and every later one, buys less than the rate so far, and every later node is no likelier
             expected += value[node]
@@ -394,11 +394,11 @@ class Controller:
         bins = self.bins.get(source) or self.bins.setdefault(source, [[0.0, 0.0] for _ in PRIORS])
         table = self._chances.get(source) or self._chance_table(source)  # kept up to date bin by bin below
         accepted = set(accepted_nodes)
-        chosen = {parents[node]: node for node in accepted_nodes}  # parent -> its accepted child
+        chosen = {} if greedy else {parents[node]: node for node in accepted_nodes}  # parent -> its accepted child
         for node, parent in enumerate(parents):
             if parent != -1 and parent not in accepted:
                 continue  # never tested: its parent was rejected
-            if not greedy and parent in chosen and node > chosen[parent]:
+            if parent in chosen and node > chosen[parent]:
                 continue  # tested in order: a later sibling of the accepted child was not reached
             slot = 0 if scores is None else 1 + bisect_right(CONFIDENCE_EDGES, scores[node])
             index = (min(depths[node], DEPTH_BUCKETS) - 1) * SLOTS + slot
