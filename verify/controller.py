@@ -368,7 +368,7 @@ class Controller:
 
         A drafted step's outcome is kept (a few Python lists) and learnt from when the estimates
         are next recomputed (every ``REFRESH_EVERY`` drafted steps, and sooner: ``observe``), since only
-        they read what it teaches (the trim's rows line and calibration lag by as many steps).
+        they read what it teaches (the trim's rows curve and calibration lag by as many steps).
         One pass over eight steps runs in warm caches; eight passes, one after each target
         forward, ran in cold ones at about twice the cost.
         """
@@ -394,7 +394,7 @@ class Controller:
         bins = self.bins.get(source) or self.bins.setdefault(source, [[0.0, 0.0] for _ in PRIORS])
         table = self._chances.get(source) or self._chance_table(source)  # kept up to date bin by bin below
         accepted = set(accepted_nodes)
-        chosen = {} if greedy else {parents[node]: node for node in accepted_nodes}  # parent -> its accepted child
+        chosen = {} if greedy else {parents[node]: node for node in accepted_nodes}  # parent -> its accepted child (in order)
         for node, parent in enumerate(parents):
             if parent != -1 and parent not in accepted:
                 continue  # never tested: its parent was rejected
