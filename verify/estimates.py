@@ -201,16 +201,8 @@ class ShapeEstimates:
         A sequential drafter's cost grows with depth, one forward per level (and one to catch
         up): an unmeasured depth D costs the nearest measured depth k's times (D + 1) / (k + 1).
         """
-        near = self._nearest()[0]
-        out = []
-        for depth, k in enumerate(near):
-            if k < 0:
-                out.append(0.0)
-            elif k == depth:
-                out.append(self.draft_base[depth] * scale)
-            else:
-                out.append(self.draft_base[k] * scale * (depth + 1) / (k + 1))
-        return out
+        base, near = self.draft_base, self._nearest()[0]
+        return [_drafting(base, k, depth, scale) for depth, k in enumerate(near)]
 
     def plan_costs(self, plain: float | None, curve: RowsCurve, scale: float, mean_rows: list[float]) -> list[float | None]:
         """Seconds of a step planned at each depth (index 0: ``plain``); None where nothing says yet.
@@ -226,18 +218,13 @@ class ShapeEstimates:
             return [plain] + [None] * (len(verify) - 1)
         costs: list[float | None] = [plain]
         extra: list[float] | None = None  # the rows curve's table, read when a depth's cost is carried from another's
-        for depth in range(1, len(verify)):  # ``draft_costs`` and the curve's rows inline: this runs at every refresh
-            j = near_draft[depth]
-            drafting = 0.0 if j < 0 else base[depth] * scale if j == depth else base[j] * scale * (depth + 1) / (j + 1)
+        for depth in range(1, len(verify)):  # one loop (no lists of drafting costs or rows): this runs at every refresh
             k = near[depth]
-            step = plain + drafting + verify[k]
-            if k != depth:  # what its mean rows add on the curve beyond the measured depth's, between whole counts
+            step = plain + _drafting(base, near_draft[depth], depth, scale) + verify[k]
+            if k != depth:  # what its mean rows add on the curve beyond the measured depth's
                 if extra is None:
                     extra = curve.table(int(max(mean_rows)) + 1)[0]
-                rows, other = mean_rows[depth], mean_rows[k]
-                whole, near_whole = int(rows), int(other)
-                added = extra[whole] + (rows - whole) * (extra[whole + 1] - extra[whole])
-                step += added - (extra[near_whole] + (other - near_whole) * (extra[near_whole + 1] - extra[near_whole]))
+                step += _between(extra, mean_rows[depth]) - _between(extra, mean_rows[k])
             costs.append(step)
         deeper = costs[-1]
         for depth in range(len(costs) - 2, 0, -1):  # a draft cut at a depth is a prefix of a deeper one: it costs no more
@@ -344,6 +331,19 @@ class ShapeEstimates:
             "accept_share_by_depth": [round(a / r, 3) if r else None for a, r in zip(self.accepted[1:], self.reached[1:], strict=True)],
             "planned_by_depth": self.planned[1:],
         }
+
+
+def _drafting(base: list[float | None], k: int, depth: int, scale: float) -> float:
+    """Drafting seconds of ``depth`` from the nearest measured depth ``k`` (-1: none yet, 0.0): scaled by (depth + 1) / (k + 1)."""
+    if k < 0:
+        return 0.0
+    return base[depth] * scale if k == depth else base[k] * scale * (depth + 1) / (k + 1)
+
+
+def _between(extra: list[float], nodes: float) -> float:
+    """The table ``extra`` (seconds at whole node counts) read linearly at ``nodes``."""
+    whole = int(nodes)
+    return extra[whole] + (nodes - whole) * (extra[whole + 1] - extra[whole])
 
 
 def _nearest(known: list[bool]) -> list[int]:
