@@ -1,8 +1,8 @@
 """The speculation controller's own work per step, replayed: this tree's code against an earlier revision's, on the same calls.
 
-    python -m benchmarks.bench_controller_cost --baseline REV [--methods suffix,eagle3,...] [--prompts 4] [--repeats 9]
+    python -m benchmarks.bench_controller_cost --baseline REV [--methods suffix,eagle3,...] [--domains code,prose,copy] [--prompts 4] [--repeats 9]
 
-Decodes a few demo prompts (code, prose, copy; 64 new tokens) with each method's shipped
+Decodes a few demo prompts (by default code, prose and copy; 64 new tokens) with each method's shipped
 config and records every call the decoder makes to its controller (``start``, ``plan``,
 ``trim``, ``observe``, with their arguments: the drafts, the verification results, the
 timings). Then replays those calls on fresh controllers of this tree and of ``--baseline``
@@ -97,7 +97,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", required=True, help="the git revision to compare with (a commit, a tag, HEAD~3)")
     parser.add_argument("--methods", default="ngram_tree,suffix,suffix+draft,demo_draft,medusa,eagle2,eagle3,mtp")
-    parser.add_argument("--prompts", type=int, default=4, help="per domain (code, prose, copy)")
+    parser.add_argument("--domains", default="code,prose,copy", help="demo domains to record on (mixed and repeat draft the largest trees)")
+    parser.add_argument("--prompts", type=int, default=4, help="per domain")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -107,7 +108,7 @@ def main() -> None:
         written = build_domains(heldout_documents(DEMO_TARGET), Path(folder) / "domains", args.prompts, 4 * 128, 6 * 960)
         prompts = [
             tokenizer(json.loads(line)["prompt"], return_tensors="pt").input_ids[:, -128:]
-            for domain in ("code", "prose", "copy")
+            for domain in args.domains.split(",")
             for line in Path(written[domain]).read_text().splitlines()[: args.prompts]
         ]
         old = baseline_module(args.baseline, Path(folder))

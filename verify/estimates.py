@@ -129,7 +129,7 @@ class RowsCurve:
             self.points()  # the table of the curve as it is now
         extra, floor = self._table
         if len(extra) <= n:
-            self._size = size = max(n + 1, 2 * len(extra), self._size)
+            self._size = size = max(n + 1, self._size)
             extra = self._sweep(size)
             floor, least = [0.0] * size, float("inf")
             for k in range(size - 1, 0, -1):  # a plain loop: ``accumulate(..., min)`` took three times as long here
