@@ -1,6 +1,6 @@
 """The speculation controller's own work per step, replayed: this tree's code against an earlier revision's, on the same calls.
 
-    python -m benchmarks.bench_controller_cost --baseline REV [--methods suffix,eagle3,...] [--domains code,prose,copy] [--prompts 4] [--repeats 9]
+    python -m benchmarks.bench_controller_cost --baseline REV [--methods suffix,eagle3] [--domains code,prose,copy] [--prompts 4]
 
 Decodes a few demo prompts (by default code, prose and copy; 64 new tokens) with each method's shipped
 config and records every call the decoder makes to its controller (``start``, ``plan``,

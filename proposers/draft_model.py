@@ -21,6 +21,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from .core.cache import CACHE_HEADROOM, compact_cache, crop_cache, make_cache
+from .core.dynamic_tree import DraftTree, grow_dynamic_tree
 from .core.engine import EngineExport, check_format, write_export, write_spec
 from .core.errors import InputError, check_probability
 from .core.lean_forward import LEAN_MAX_ROWS, fast_paths, forward_mode
@@ -34,7 +35,7 @@ from .core.models import (
     saved_tensors,
 )
 from .core.proposer import ProposerBase
-from .core.tree import DraftTree, grow_dynamic_tree, incremental_tree_mask
+from .core.tree import incremental_tree_mask
 from .core.types import Draft, ProposeContext, TargetFeatures, TransformersPeer, VerifyResult
 
 SAMPLED_TOKEN_IDS = 4096  # token strings compared between draft and target tokenizers
@@ -203,6 +204,7 @@ class DraftModelProposer(ProposerBase):
                 confidence_threshold=self.confidence_threshold,
                 generator=context.generator_for(self.device),
                 min_path_prob=self.min_path_prob,
+                stop=context.stop,
             )
         except BaseException:
             self._crop(committed)

@@ -5,7 +5,7 @@
   feature being the target's final normed state; the layer's output predicts the next
   feature, and the target's own LM head turns it into a distribution. Embedding and LM
   head are the target's, frozen and never saved.
-- EAGLE-2 (Li et al. 2024): the dynamic tree of ``proposers.core.tree.grow_dynamic_tree``
+- EAGLE-2 (Li et al. 2024): the dynamic tree of ``proposers.core.dynamic_tree.grow_dynamic_tree``
   (``tree_width > 1``, ``max_nodes``), one draft forward per depth with tree attention
   over the draft's own cache.
 - EAGLE-3 (Li et al. 2025): the feature fuses three target layers (low / mid / high,
@@ -43,12 +43,13 @@ from torch import nn
 from .core.block import position_draft
 from .core.cache import CACHE_HEADROOM, PreallocatedLayer
 from .core.devices import check_shared_device, host_lists, reads_are_free
+from .core.dynamic_tree import DraftTree, grow_dynamic_tree
 from .core.engine import EngineExport, ExportControl, check_format, incomplete_copy, write_export, write_spec
 from .core.errors import InputError, check_integer, check_probability
 from .core.features import FeatureQueue
 from .core.proposer import ProposerBase
 from .core.sampling import draw_rows, logits_to_probs
-from .core.tree import DraftTree, grow_dynamic_tree, incremental_tree_mask
+from .core.tree import incremental_tree_mask
 from .core.types import Draft, ProposeContext, TargetFeatures, VerifyResult
 from .eagle_head import EagleDraft, check_head_fits, checkpoint_config, load_draft
 
@@ -252,6 +253,7 @@ class EagleProposer(ProposerBase):
             confidence_threshold=self.confidence_threshold,
             generator=context.generator_for(self.device),
             min_path_prob=self.min_path_prob,
+            stop=context.stop,
         )
         return grown.draft
 

@@ -31,11 +31,11 @@ from torch import nn
 from .core.cache import CACHE_HEADROOM, PreallocatedLayer
 from .core.checkpoint import CONFIG, WEIGHTS
 from .core.devices import check_shared_device, host_lists, reads_are_free
+from .core.dynamic_tree import grow_dynamic_tree
 from .core.engine import EngineExport, check_format, write_export, write_spec
 from .core.errors import InputError, check_integer, check_probability
 from .core.proposer import ProposerBase
 from .core.sampling import logits_to_probs
-from .core.tree import grow_dynamic_tree
 from .core.types import Draft, ProposeContext, TargetFeatures, VerifyResult
 from .mtp_head import MtpModules, load_modules
 from .mtp_native import is_native, load_native, mimo_checkpoint
@@ -235,6 +235,7 @@ class MtpProposer(ProposerBase):
             max_nodes=self.max_nodes,
             generator=context.generator_for(self.device),
             min_path_prob=self.min_path_prob,
+            stop=context.stop,
         )
         return grown.draft
 

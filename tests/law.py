@@ -8,18 +8,19 @@ marginal of the first 2 tokens.
 The same check runs with the speculation controller deciding (``deciding_controller``): on
 a deterministic clock (``Clocked``), so that its decisions (plain or drafted, chain or
 tree, which nodes) vary from request to request with what it has learnt, not with this
-machine's timing noise.
+machine's timing noise; ``simulate`` drives one over synthetic chains on that clock.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 from collections import Counter
 
 import torch
 
 from draftsmith.proposers.core.sampling import SamplingParams, logits_to_probs
-from draftsmith.proposers.core.types import Draft
+from draftsmith.proposers.core.types import Draft, VerifyResult
 from draftsmith.verify import SpeculativeDecoder
 from draftsmith.verify.controller import Controller, Plan
 
@@ -37,6 +38,26 @@ def linear_costs(drafting_per_depth: float = 0.1, per_row: float = 0.05, drafted
         return drafting_per_depth * plan.depth, 1.0 + (drafted + per_row * draft.num_nodes if draft.num_nodes else 0.0)
 
     return costs
+
+
+def simulate(controller: Controller, steps: int, accept, score: float = 0.5, seed: int = 0, costs=None):
+    """Drive ``controller`` over synthetic steps: a chain of the planned depth, each node accepted with ``accept(step, depth)``.
+
+    Yields each step's plan. ``costs`` (default ``linear_costs()``) gives its seconds.
+    """
+    rng, costs = random.Random(seed), costs or linear_costs()
+    for step in range(steps):
+        plan = controller.plan(context=100, room=8)
+        draft = Draft.chain(list(range(plan.depth)), scores=[score] * plan.depth) if plan.depth else Draft.empty()
+        if plan.depth and plan.trims:
+            draft, _ = controller.trim(draft, 100, True)
+        n = 0
+        while n < draft.num_nodes and rng.random() < accept(step, n + 1):
+            n += 1
+        result = VerifyResult(list(range(n)), list(range(n)), 0, n < draft.num_nodes)
+        drafting, rest = costs(plan, draft)
+        controller.observe(plan, draft, result, 100, drafting, drafting + rest, True)
+        yield plan
 
 
 def least_squares(points: list[tuple[float, float]], forget: float) -> tuple[float, float]:

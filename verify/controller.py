@@ -22,7 +22,8 @@ itself while it decodes and decides per step:
    rate of tokens per second reaches, k nodes costing what k nodes add on the rows curve.
    Only where it keeps the target's law exactly: at temperature 0, or for deterministic
    drafts (point masses, whose verification is exact however they were chosen). A sampled
-   tree is never cut by its own drawn values.
+   tree is never cut by its own drawn values. While it drafts, such a proposer may leave a
+   node unexpanded that the trim would cut whatever else the draft holds (``stop_rule``).
 2. observe: the step's seconds update the running costs of its planned depth (or of a
    plain step) and what its rows added beyond a plain step (``RowsCurve``: an average per
    size of draft, joined into a non-decreasing curve); the outcome updates u_d, the rows
@@ -59,9 +60,9 @@ from bisect import bisect_right
 from dataclasses import dataclass
 
 from draftsmith.proposers.core.tree import keep_nodes
-from draftsmith.proposers.core.types import Draft, VerifyResult
+from draftsmith.proposers.core.types import Draft, StopRule, VerifyResult
 
-from .estimates import RobustLine, RowsCurve, ShapeEstimates, average
+from .estimates import RobustLine, RowsCurve, ShapeEstimates, average, first_children_chain
 from .probes import ProbeLedger
 
 CONFIDENCE_EDGES = (0.05, 0.15, 0.3, 0.5, 0.7, 0.85, 0.95)  # calibration bins of a node's own draft probability
@@ -118,14 +119,7 @@ class Controller:
 
     PLAIN = Plan(0)  # a plain step's plan, one instance
 
-    def __init__(
-        self,
-        max_depth: int | None,
-        max_width: int = 1,
-        decay: float = 0.95,
-        probe_every: int = 4,
-        explore_every: int = 16,
-    ):
+    def __init__(self, max_depth: int | None, max_width: int = 1, decay: float = 0.95, probe_every: int = 4, explore_every: int = 16):
         self.max_depth = max_depth or DEFAULT_DEPTH
         self.decay, self.probe_every, self.explore_every = decay, probe_every, explore_every
         # a proposer that drafts trees may also draft a chain: the shapes to choose from, the chain first
@@ -310,6 +304,24 @@ class Controller:
         self.seconds += time.perf_counter() - tick  # building the trimmed draft included
         return trimmed, kept
 
+    def stop_rule(self) -> StopRule | None:
+        """What a drafter needs to stop a path the trim would cut (``StopRule``; None until the trim trims).
+
+        A node worth less than the least any node adds (the rows curve's least margin) at a plain
+        step's rate is below every ``floor[k] * best_rate`` the trim compares it with; a hair of
+        slack keeps rounding on the trim's side. For drafts of the proposer's own source ("").
+        """
+        plain = self.plain_seconds
+        if plain is None or not self.rows.ready:
+            return None
+        chances = self._chances.get("") or self._chance_table("")
+
+        def chance(depth: int, score: float | None) -> float:  # as the trim reads it
+            index = (depth - 1 if depth < DEPTH_BUCKETS else DEPTH_BUCKETS - 1) * SLOTS
+            return chances[index if score is None else index + 1 + bisect_right(CONFIDENCE_EDGES, score)]
+
+        return StopRule(chance, (1.0 - 1e-9) * self.rows.least_margin() / plain)
+
     def _chance_table(self, source: str) -> list[float]:
         """Each calibration bin's chance that its node is accepted given its parent was: its counts over its confidence's prior."""
         bins = self.bins.get(source)
@@ -385,7 +397,7 @@ class Controller:
                     self.rows.update(len(depths), rest - plain)
             shape.learn_depths(plan.depth, depths, len(accepted), self.decay, now)
             if shape is not self.shapes[0]:  # a tree holds the chain of first children: what that chain would have accepted
-                length, reach = _first_children_chain(parents, accepted)  # only the depths it held (a trim may cut it short)
+                length, reach = first_children_chain(parents, accepted)  # only the depths it held (a trim may cut it short)
                 self.shapes[0].learn_depths(min(length, plan.depth), None, reach, self.decay, now)
             if calibrate:
                 self._learn_bins(parents, scores, depths, source, accepted, greedy)
@@ -427,24 +439,3 @@ class Controller:
             "probe_loss_ms": None if self.probes.loss is None else round(1000 * self.probes.loss, 3),
             "catch_up_ms_per_100": round(100 * 1000 * self.catch_up.line()[1], 4) if self.catch_up.count else None,
         }
-
-
-def _first_children_chain(parents: list[int], accepted_nodes: list[int]) -> tuple[int, int]:
-    """(how deep the chain of first children (in draft order) runs, how far the accepted path runs through it).
-
-    The verifier tests a node's children in draft order (all at once at temperature 0, where
-    only one can match), so the first child's test is the same whether siblings follow or not:
-    the chain of first children accepts what a chain of that depth would have. Depths it does
-    not reach (a trimmed tree's) say nothing of what a chain would accept there.
-    """
-    chain, last = [], -1
-    for node, parent in enumerate(parents):  # parents come first: the first node after ``last`` under it is its first child
-        if parent == last:
-            chain.append(node)
-            last = node
-    reach = 0
-    for node, first in zip(accepted_nodes, chain, strict=False):  # the accepted path may leave the chain, or outrun it
-        if node != first:
-            break
-        reach += 1
-    return len(chain), reach

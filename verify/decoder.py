@@ -269,7 +269,8 @@ class SpeculativeDecoder:
             return DraftStep(plan, Draft.empty())
         tick = time.perf_counter()
         generator = generators.on(target.output_device) if generators is not None else None
-        draft = self.proposer.propose(ProposeContext(tokens, plan.depth, sampling, generator, plan.width, generators))
+        stop = controller.stop_rule() if controller is not None and plan.trims else None  # a probe sees the whole draft
+        draft = self.proposer.propose(ProposeContext(tokens, plan.depth, sampling, generator, plan.width, generators, stop))
         seconds = time.perf_counter() - tick
         validate_draft(draft, self.vocab_size, check_probs=reads_are_free(target.output_device))  # else the verifier's read checks them
         draft = limit_width(prune_depth(draft, plan.depth), plan.width)

@@ -140,6 +140,19 @@ class RowsCurve:
             self._table = (extra, floor)
         return extra, floor
 
+    def least_margin(self) -> float:
+        """The least a node adds at any count, tables of any length included (0 until ``ready``).
+
+        The trim's ``floor[k]`` is never below it, so a node worth less than it at a plain
+        step's rate is cut whatever the draft (``Controller.stop_rule``). Beyond the last
+        point the table rises by the last segment's slope.
+        """
+        points = self.points()
+        if len(points) < 2:
+            return 0.0
+        (x0, y0), (x1, y1) = points[-2], points[-1]
+        return min(self.table(int(x1) + 2)[1][1], (y1 - y0) / (x1 - x0))
+
 
 class RobustLine:
     """``y ~ a + b x`` over the last ``keep`` points by Theil-Sen: the median of the pairwise slopes, the median intercept.
@@ -358,6 +371,27 @@ def _nearest(known: list[bool]) -> list[int]:
         low = below[i]
         out[i] = low if last < 0 or (low >= 0 and i - low <= last - i) else last
     return out
+
+
+def first_children_chain(parents: list[int], accepted_nodes: list[int]) -> tuple[int, int]:
+    """(how deep the chain of first children (in draft order) runs, how far the accepted path runs through it).
+
+    The verifier tests a node's children in draft order (all at once at temperature 0, where
+    only one can match), so the first child's test is the same whether siblings follow or not:
+    the chain of first children accepts what a chain of that depth would have. Depths it does
+    not reach (a trimmed tree's) say nothing of what a chain would accept there.
+    """
+    chain, last = [], -1
+    for node, parent in enumerate(parents):  # parents come first: the first node after ``last`` under it is its first child
+        if parent == last:
+            chain.append(node)
+            last = node
+    reach = 0
+    for node, first in zip(accepted_nodes, chain, strict=False):  # the accepted path may leave the chain, or outrun it
+        if node != first:
+            break
+        reach += 1
+    return len(chain), reach
 
 
 def average(known: float | None, new: float) -> float:

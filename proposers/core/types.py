@@ -6,6 +6,7 @@ Everything here is a frozen dataclass; the contract proposers implement is ``cor
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -112,6 +113,29 @@ _EMPTY_DRAFT = Draft(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torc
 
 
 @dataclass(frozen=True)
+class StopRule:
+    """When a drafter may stop growing a path: the value the speculation controller gives a node, and the least it verifies.
+
+    A node's value is its calibrated chance to be accepted given its parent was (``chance`` of
+    its depth and its own draft confidence, ``Draft.scores``'s value) times its parent's
+    value. A node worth less than ``least`` is cut before verification whatever else the
+    draft holds, and so is every descendant (a child is never worth more than its parent):
+    not expanding it saves the drafting of nodes the verifier would never see. Given only
+    for drafts any subset of which keeps the target's law (temperature 0, point masses).
+    """
+
+    chance: Callable[[int, float | None], float]
+    least: float
+
+    def values(self, parents: list[int], depths: list[int], confidences: list, into: list[float]) -> None:
+        """Append the values of the nodes after ``len(into)`` (parents first) to ``into``."""
+        chance = self.chance
+        for node in range(len(into), len(parents)):
+            parent, value = parents[node], chance(depths[node], confidences[node])
+            into.append(value * into[parent] if parent >= 0 else value)
+
+
+@dataclass(frozen=True)
 class ProposeContext:
     """What a proposer sees when asked for a draft.
 
@@ -130,6 +154,10 @@ class ProposeContext:
         generator: the request's seeded generator on the device of the target's logits, for
             proposers that sample there (None: unseeded).
         generators: the request's generators on every device (``generator_for``).
+        stop: the speculation controller's rule for stopping a path early (``StopRule``; None:
+            draft as planned). A drafter that grows its draft node by node may leave a node
+            worth less than ``stop.least`` unexpanded; ``proposers.core.dynamic_tree.grow_dynamic_tree``
+            does, for its deterministic trees and chains.
     """
 
     tokens: list[int]
@@ -138,6 +166,7 @@ class ProposeContext:
     generator: torch.Generator | None = None
     max_width: int | None = None
     generators: SeededGenerators | None = None
+    stop: StopRule | None = None
 
     def generator_for(self, device: torch.device) -> torch.Generator | None:
         """The request's generator for draws on ``device`` (``torch.multinomial`` needs one on its rows' device).

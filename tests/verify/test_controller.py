@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from law import Clocked, V, assert_follows_law, assert_law_rejects, least_squares, linear_costs
+from law import Clocked, V, assert_follows_law, assert_law_rejects, least_squares, linear_costs, simulate
 
 from draftsmith.proposers import load_proposer
 from draftsmith.proposers.core.proposer import ProposerBase
@@ -29,26 +29,6 @@ from draftsmith.verify import probes as probes_module
 from draftsmith.verify.controller import Controller, Plan
 from draftsmith.verify.estimates import RobustLine
 from draftsmith.verify.evaluation.demo import DEMO_TARGET, SHIPPED, trained_drafts
-
-
-def simulate(controller: Controller, steps: int, accept, score: float = 0.5, seed: int = 0, costs=None):
-    """Drive ``controller`` over synthetic steps: a chain of the planned depth, each node accepted with ``accept(step, depth)``.
-
-    Yields each step's plan. ``costs`` (default ``linear_costs()``) gives its seconds.
-    """
-    rng, costs = random.Random(seed), costs or linear_costs()
-    for step in range(steps):
-        plan = controller.plan(context=100, room=8)
-        draft = Draft.chain(list(range(plan.depth)), scores=[score] * plan.depth) if plan.depth else Draft.empty()
-        if plan.depth and plan.trims:
-            draft, _ = controller.trim(draft, 100, True)
-        n = 0
-        while n < draft.num_nodes and rng.random() < accept(step, n + 1):
-            n += 1
-        result = VerifyResult(list(range(n)), list(range(n)), 0, n < draft.num_nodes)
-        drafting, rest = costs(plan, draft)
-        controller.observe(plan, draft, result, 100, drafting, drafting + rest, True)
-        yield plan
 
 
 def test_a_useless_proposer_is_switched_to_plain_within_10_steps():

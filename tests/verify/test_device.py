@@ -19,7 +19,7 @@ import torch
 from law import V, assert_follows_law, assert_law_rejects
 
 import draftsmith.proposers.core.devices as devices
-import draftsmith.proposers.core.tree as tree_module
+import draftsmith.proposers.core.dynamic_tree as tree_module
 import draftsmith.verify.target as target_module
 from benchmarks.device_mode import StandInDevice
 from draftsmith.proposers import Draft, InputError, ProposerBase, load_proposer

@@ -10,8 +10,8 @@ import torch
 from law import least_squares
 
 from draftsmith.proposers.core.types import Draft, VerifyResult
-from draftsmith.verify.controller import Controller, Plan, _first_children_chain
-from draftsmith.verify.estimates import STALE, RowsCurve, ShapeEstimates, average
+from draftsmith.verify.controller import Controller, Plan
+from draftsmith.verify.estimates import STALE, RowsCurve, ShapeEstimates, average, first_children_chain
 
 
 def test_a_depth_counted_every_drafted_step_forgets_at_the_stated_decay_and_a_skipped_one_goes_stale():
@@ -119,7 +119,7 @@ def test_a_trimmed_tree_teaches_the_chain_only_the_depths_its_first_children_rea
     controller._learn_pending()
     chain = controller.shapes[0]
     assert chain.reached[1:] == [1.0, 1.0, 0.0, 0.0] and chain.accepted[1:] == [1.0, 1.0, 0.0, 0.0]
-    assert _first_children_chain(draft.parent_list, result.accepted_nodes) == (2, 2)
+    assert first_children_chain(draft.parent_list, result.accepted_nodes) == (2, 2)
     old = ShapeEstimates(1, 4)
     old.learn_depths(4, None, 2, 0.95, 1)
     assert old.reached[3:] == [1.0, 1.0] and old.accepted[3:] == [0.0, 0.0]

@@ -14,12 +14,11 @@ import torch
 from transformers import DynamicCache
 
 from draftsmith.proposers.core.cache import compact_cache, crop_cache
+from draftsmith.proposers.core.dynamic_tree import best_nodes, grow_dynamic_tree
 from draftsmith.proposers.core.lean_forward import causal_mask
 from draftsmith.proposers.core.sampling import SamplingParams, logits_to_probs
 from draftsmith.proposers.core.tree import (
-    best_nodes,
     children_lists,
-    grow_dynamic_tree,
     incremental_tree_mask,
     keep_nodes,
     limit_width,
@@ -30,7 +29,7 @@ from draftsmith.proposers.core.tree import (
     tree_position_ids,
     validate_draft,
 )
-from draftsmith.proposers.core.types import Draft
+from draftsmith.proposers.core.types import Draft, StopRule
 from draftsmith.verify.target import Target
 
 PARENTS = [-1, -1, 0, 0, 2, 1, -1]
@@ -214,6 +213,25 @@ def test_budget_stops_growing_once_the_rerank_is_settled():
     assert grown.draft.is_chain() and grown.draft.num_nodes == 3 and len(score.calls) == 2
     unbudgeted, _ = grow(depth=3, width=1)
     assert torch.equal(grown.draft.token_ids, unbudgeted.draft.token_ids)
+
+
+@pytest.mark.parametrize("least", [0.05, 0.2])
+def test_a_stop_rule_leaves_the_nodes_worth_less_than_its_least_unexpanded(least):
+    """A greedy tree under a ``StopRule`` (here a node's value is the product of its path's own confidences) is the full
+    tree minus the descendants of its nodes worth less than ``least``, grown with fewer draft forwards. A sampled tree
+    ignores the rule (the trim leaves a sampled tree whole): the same draws as without it."""
+    rule = StopRule(lambda depth, confidence: confidence, least)
+    full, full_score = grow(depth=5, width=3)
+    stopped, stopped_score = grow(depth=5, width=3, stop=rule)
+    values: list[float] = []
+    rule.values(full.draft.parent_list, full.draft.depth_list, full.draft.scores, values)
+    kept = [n for n, parent in enumerate(full.draft.parent_list) if parent < 0 or values[parent] >= least]  # values never rise
+    assert 0 < len(kept) < full.draft.num_nodes, "the rule must stop something here, or the check below is empty"
+    expected = keep_nodes(full.draft, kept)
+    assert torch.equal(stopped.draft.token_ids, expected.token_ids) and torch.equal(stopped.draft.parents, expected.parents)
+    assert sum(map(len, stopped_score.calls)) < sum(map(len, full_score.calls))
+    sampled = [grow(depth=4, width=2, temperature=1.0, sampled=True, seed=5, **extra)[0].draft for extra in ({}, {"stop": rule})]
+    assert torch.equal(sampled[0].token_ids, sampled[1].token_ids) and torch.equal(sampled[0].parents, sampled[1].parents)
 
 
 @pytest.mark.parametrize("max_nodes", [None, 30])

@@ -1,0 +1,91 @@
+"""The speculation controller's ``StopRule``: a drafter stops a path only where the trim would cut it anyway.
+
+A controller that has learnt costs and calibration on synthetic steps (``law.simulate``, a
+deterministic clock) prices random trees; every node the rule would leave unexpanded, the
+trim cuts. Negative control: a rule twice as strict would stop nodes the trim keeps,
+so the bound is not vacuous. Greedy outputs with the rule on are checked for every proposer
+in ``test_controller.py`` (the decoder passes the rule wherever the plan trims).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from law import linear_costs, simulate
+
+from draftsmith.proposers.composite import CompositeProposer
+from draftsmith.proposers.core.proposer import ProposerBase
+from draftsmith.proposers.core.sampling import SamplingParams
+from draftsmith.proposers.core.types import Draft, ProposeContext, StopRule
+from draftsmith.verify.controller import Controller
+
+
+def random_tree(rng: random.Random, nodes: int) -> Draft:
+    """A tree of ``nodes`` nodes (each parent an earlier node or the root) with random confidences in (0, 1)."""
+    parents = [rng.randrange(-1, i) for i in range(nodes)]
+    return Draft(torch.arange(nodes), torch.tensor(parents), scores=[rng.random() for _ in range(nodes)])
+
+
+def test_the_trim_keeps_no_node_the_stop_rule_would_have_left_unexpanded():
+    """Over 300 random trees of 1-24 nodes: no node the trim keeps is worth less than ``least`` (some are, and are cut);
+    at twice ``least`` some kept node would have been stopped."""
+    controller = Controller(6)
+    for _ in simulate(controller, 300, lambda step, depth: 0.6 if depth < 3 else 0.3, score=0.6, costs=linear_costs()):
+        pass
+    rule = controller.stop_rule()
+    assert rule is not None and rule.least > 0, "the controller has learnt its rows and calibration by now"
+    rng, below, kept_values = random.Random(0), 0, []
+    for _ in range(300):
+        draft = random_tree(rng, rng.randint(1, 24))
+        values: list[float] = []
+        rule.values(draft.parent_list, draft.depth_list, draft.scores, values)
+        _, kept = controller.trim(draft, 100, True)
+        kept = range(draft.num_nodes) if kept is None else kept
+        kept_values += [values[n] for n in kept]
+        below += sum(v < rule.least for v in values)
+        assert all(values[n] >= rule.least for n in kept), (rule.least, [values[n] for n in kept])
+    assert below > 0, "no node fell below the rule's least: the check above is empty"
+    assert kept_values and min(kept_values) < 2 * rule.least, (min(kept_values), rule.least)
+
+
+def test_no_stop_rule_before_the_trim_trims():
+    """A fresh controller (no plain step measured, no rows curve) gives no rule: a drafter drafts as planned."""
+    assert Controller(6).stop_rule() is None
+
+
+class Recording(ProposerBase):
+    """A member that records the rule it was given, and drafts one token."""
+
+    vocab_size = 8
+
+    def __init__(self):
+        self.stops: list[StopRule | None] = []
+
+    def begin(self, prompt, features):
+        pass
+
+    def observe(self, result, features):
+        pass
+
+    def draft_depth(self):
+        return 1
+
+    def draft_width(self):
+        return 1
+
+    def propose(self, context: ProposeContext) -> Draft:
+        self.stops.append(context.stop)
+        return Draft.chain([1], scores=[0.5])
+
+
+def test_a_composite_passes_no_stop_rule_to_its_members():
+    """A member's draft is calibrated under its own name, or merged without scores: the rule (for the proposer's own
+    drafts) is not passed on."""
+    members = [Recording(), Recording()]
+    rule = StopRule(lambda depth, confidence: 1.0, 0.5)
+    for policy in ("first_confident", "merge"):
+        composite = CompositeProposer([{"type": "ngram"}, {"type": "ngram"}], policy=policy)
+        composite.names, composite.members = ["a", "b"], members  # recording members in the ngram ones' place
+        composite.propose(ProposeContext([1, 2], 1, SamplingParams(0.0), stop=rule))
+    assert [stop for member in members for stop in member.stops] == [None] * sum(len(m.stops) for m in members) != []
