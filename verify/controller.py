@@ -145,6 +145,7 @@ class Controller:
         self.observed = 0  # drafted steps observed
         self._pending: list[tuple] = []  # drafted steps observed and not learnt from yet (``_learn_pending``)
         self._estimated_plain = 0.0  # the plain step's cost the estimates were computed with
+        self._stop: StopRule | None = None  # ``stop_rule``'s, until a plain step's cost or the rows curve moves
         self._plans: dict[tuple[int, int, bool, bool], Plan] = {}  # (depth, shape, probe, whole) -> its plan (``_plan``)
         self._headroom = float("inf")  # how far (log) that cost may move before a plain decision of theirs could turn (``_decide``)
 
@@ -312,15 +313,18 @@ class Controller:
         slack keeps rounding on the trim's side. For drafts of the proposer's own source ("").
         """
         plain = self.plain_seconds
-        if plain is None or not self.rows.ready:
-            return None
+        if self._stop is not None or plain is None or not self.rows.ready:
+            return self._stop  # kept until a plain step's cost or the rows curve moves (the chances it reads live)
+        tick = time.perf_counter()  # the controller's own work (its values, computed while drafting, are the drafter's)
         chances = self._chances.get("") or self._chance_table("")
 
         def chance(depth: int, score: float | None) -> float:  # as the trim reads it
             index = (depth - 1 if depth < DEPTH_BUCKETS else DEPTH_BUCKETS - 1) * SLOTS
             return chances[index if score is None else index + 1 + bisect_right(CONFIDENCE_EDGES, score)]
 
-        return StopRule(chance, (1.0 - 1e-9) * self.rows.least_margin() / plain)
+        self._stop = StopRule(chance, (1.0 - 1e-9) * self.rows.least_margin() / plain)
+        self.seconds += time.perf_counter() - tick
+        return self._stop
 
     def _chance_table(self, source: str) -> list[float]:
         """Each calibration bin's chance that its node is accepted given its parent was: its counts over its confidence's prior."""
@@ -347,7 +351,7 @@ class Controller:
         if self.plain_seconds is not None:  # a pause of the machine is not a cost: n + 1 rows take at most n + 1 plain steps
             rest = min(rest, PAUSE_BOUND * self.plain_seconds * (draft.num_nodes + 1))
         if plan.depth == 0:  # the estimates follow a plain step's cost only when it has moved (most steps may be plain ones)
-            self.plain_seconds = average(self.plain_seconds, rest)
+            self.plain_seconds, self._stop = average(self.plain_seconds, rest), None
             if self._estimates is not None and (
                 not self._estimated_plain or abs(math.log(self.plain_seconds / self._estimated_plain)) > max(PLAIN_DRIFT, self._headroom)
             ):
@@ -384,7 +388,7 @@ class Controller:
         One pass over eight steps runs in warm caches; eight passes, one after each target
         forward, ran in cold ones at about twice the cost.
         """
-        pending, self._pending = self._pending, []
+        pending, self._pending, self._stop = self._pending, [], None  # the rows curve moves
         for plan, parents, depths, scores, source, accepted, missed, draft_seconds, rest, plain, now, greedy, calibrate in pending:
             shape = self.shapes[plan.shape]
             if missed <= 1:  # steady state (one plain step's token is fed as a drafted step's bonus token is)

@@ -17,7 +17,7 @@ from law import linear_costs, simulate
 from draftsmith.proposers.composite import CompositeProposer
 from draftsmith.proposers.core.proposer import ProposerBase
 from draftsmith.proposers.core.sampling import SamplingParams
-from draftsmith.proposers.core.types import Draft, ProposeContext, StopRule
+from draftsmith.proposers.core.types import Draft, ProposeContext, StopRule, VerifyResult
 from draftsmith.verify.controller import Controller
 
 
@@ -27,12 +27,18 @@ def random_tree(rng: random.Random, nodes: int) -> Draft:
     return Draft(torch.arange(nodes), torch.tensor(parents), scores=[rng.random() for _ in range(nodes)])
 
 
-def test_the_trim_keeps_no_node_the_stop_rule_would_have_left_unexpanded():
-    """Over 300 random trees of 1-24 nodes: no node the trim keeps is worth less than ``least`` (some are, and are cut);
-    at twice ``least`` some kept node would have been stopped."""
+def trained() -> Controller:
+    """A controller after 300 synthetic steps: its costs, rows curve and calibration learnt."""
     controller = Controller(6)
     for _ in simulate(controller, 300, lambda step, depth: 0.6 if depth < 3 else 0.3, score=0.6, costs=linear_costs()):
         pass
+    return controller
+
+
+def test_the_trim_keeps_no_node_the_stop_rule_would_have_left_unexpanded():
+    """Over 300 random trees of 1-24 nodes: no node the trim keeps is worth less than ``least`` (some are, and are cut);
+    at twice ``least`` some kept node would have been stopped."""
+    controller = trained()
     rule = controller.stop_rule()
     assert rule is not None and rule.least > 0, "the controller has learnt its rows and calibration by now"
     rng, below, kept_values = random.Random(0), 0, []
@@ -49,9 +55,16 @@ def test_the_trim_keeps_no_node_the_stop_rule_would_have_left_unexpanded():
     assert kept_values and min(kept_values) < 2 * rule.least, (min(kept_values), rule.least)
 
 
-def test_no_stop_rule_before_the_trim_trims():
-    """A fresh controller (no plain step measured, no rows curve) gives no rule: a drafter drafts as planned."""
+def test_no_stop_rule_before_the_trim_trims_and_a_new_one_when_a_plain_steps_cost_moves():
+    """A fresh controller (no plain step measured, no rows curve) gives no rule: a drafter drafts as planned. A trained one
+    keeps its rule while nothing moves, and gives one with a lower ``least`` once a plain step is dearer."""
     assert Controller(6).stop_rule() is None
+    controller = trained()
+    rule = controller.stop_rule()
+    assert controller.stop_rule() is rule
+    plain = controller.plain_seconds
+    controller.observe(Controller.PLAIN, Draft.empty(), VerifyResult([], [3], 0, False), 100, 0.0, 2.0 * plain, True)
+    assert controller.plain_seconds > plain and controller.stop_rule().least < rule.least
 
 
 class Recording(ProposerBase):
