@@ -22,8 +22,8 @@ itself while it decodes and decides per step:
    rate of tokens per second reaches, k nodes costing what k nodes add on the rows curve.
    Only where it keeps the target's law exactly: at temperature 0, or for deterministic
    drafts (point masses, whose verification is exact however they were chosen). A sampled
-   tree is never cut by its own drawn values. While it drafts, such a proposer may leave a
-   node unexpanded that the trim would cut whatever else the draft holds (``stop_rule``).
+   tree is never cut by its own drawn values. While drafting, a proposer of such drafts may
+   leave unexpanded a node the trim would cut whatever else the draft holds (``stop_rule``).
 2. observe: the step's seconds update the running costs of its planned depth (or of a
    plain step) and what its rows added beyond a plain step (``RowsCurve``: an average per
    size of draft, joined into a non-decreasing curve); the outcome updates u_d, the rows
