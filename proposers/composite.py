@@ -83,7 +83,8 @@ class CompositeProposer(ProposerBase):
             member.reset()
 
     def propose(self, context: ProposeContext) -> Draft:
-        context = replace(context, stop=None)  # a member's draft is calibrated under its name (or merged, unscored): not the rule's
+        if context.stop is not None:  # a member's draft is calibrated under its name (or merged, unscored): not the rule's
+            context = replace(context, stop=None)
         if self.policy == "first_confident":
             for name, member in zip(self.names, self.members, strict=True):
                 draft = member.propose(context)
