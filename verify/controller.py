@@ -43,7 +43,9 @@ each other quickly when they win), and one that pays is now and then tried one d
 deeper or in its other shape, so the controller follows the text when it turns
 predictable or stops being so. A draft after plain steps first feeds the proposer what
 they committed; that catching up is priced (a robust line in the positions) and must pay
-back; after ``PROBE_CEILING`` plain steps in a row a probe comes whatever it is priced at.
+back over the request's rest; a probe's is charged after it, unless what the probe won
+repays it over that rest; after ``PROBE_CEILING`` plain steps in a row a probe comes
+whatever the credit holds.
 Its state lives across requests (costs are the machine's), with the acceptance side
 forgetting old steps (a window of some 20 drafted steps).
 
@@ -174,7 +176,7 @@ class Controller:
         catch_up = self._catch_up_cost(context if self.missed is None else self.missed)  # what the next draft feeds first
         if catch_up and depth and not self._pays_back(shape, depth, catch_up, room):
             depth = 0
-        plan = self._explore(depth, shape, drafting, deepest, catch_up)
+        plan = self._explore(depth, shape, drafting, deepest, catch_up, room)
         if plan.depth:
             self.shapes[plan.shape].planned[plan.depth] += 1
         else:
@@ -233,17 +235,17 @@ class Controller:
             self._plans[key] = Plan(depth, probe, whole, shape, self.shapes[shape].width)
         return self._plans[key]
 
-    def _explore(self, best: int, shape: int, drafting: int, deepest: int, catch_up: float = 0.0) -> Plan:
+    def _explore(self, best: int, shape: int, drafting: int, deepest: int, catch_up: float = 0.0, room: int = 0) -> Plan:
         """Probe a proposer that is off, now and then; probe around the planned depth and shape, and measure a plain step, now and then.
 
         Probes pay for themselves (``verify.probes``): every plain step adds 1% of its seconds
         to a credit, and a probe (at least ``probe_every`` plain steps after the last) waits
-        until the credit covers what it is expected to lose: its catching up (the positions
-        the proposer has not fed, at the measured price) and what the last probes lost beyond
-        theirs, the plain steps they slowed included. What a probe loses comes off the credit,
-        what it wins goes on it, so probes cost about 1% of the time where drafting does not
-        pay (a long prompt's dear first draft included), and follow each other quickly once
-        the text turns predictable.
+        until the credit covers what the last probes lost beyond their catching up, the plain
+        steps they slowed included. What a probe loses (its catching up of the positions the
+        proposer has not fed included, unless its win repays that over the request's rest)
+        comes off the credit, what it wins goes on it, so probes cost about 1% of the time
+        where drafting does not pay (a long prompt's dear first draft included), and follow
+        each other quickly once the text turns predictable.
         Exploring a drafting proposer alternates one depth deeper with the other shape's best depth.
         """
         if best and (self.since_plain >= (PLAIN_EVERY if self.plain_samples >= PLAIN_SAMPLES else PLAIN_SAMPLES)):
@@ -254,10 +256,10 @@ class Controller:
                 return self._plan(drafting, shape, probe=True)
             self.plain_run += 1
             self.probes.accrue(self.plain_seconds)
-            due = self.probes.due(catch_up) or self.plain_run >= PROBE_CEILING  # the ceiling: whatever the estimates say
+            due = self.probes.due() or self.plain_run >= PROBE_CEILING  # the ceiling: whatever the estimates say
             if drafting and self.plain_run >= self.probe_every and due:
                 self.plain_run, self.probe_pending = 0, True
-                self.probes.begin(catch_up)
+                self.probes.begin(catch_up, room)
                 return self._plan(drafting, shape, probe=True)
             return self.PLAIN
         self.plain_run = 0

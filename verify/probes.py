@@ -6,9 +6,14 @@ at the measured price), what its two steps lose against plain steps beyond that,
 it slows the plain steps after it: on this CPU a drafted step leaves the next ~20 plain
 steps a few percent slower (likely what the drafter's forward took of the caches), a
 cost as large as the rest for a probe that nearly pays. Every plain step adds
-``PROBE_BUDGET`` of its seconds to a credit; a probe waits until the credit covers what it
-is expected to lose (its catching up and the median of what the last probes lost beyond
-theirs); what it loses comes off the credit, what it wins goes on it.
+``PROBE_BUDGET`` of its seconds to a credit; a probe waits until the credit covers what the
+last probes lost beyond their catching up (the median); what it loses comes off the credit,
+what it wins goes on it. Its catching up comes off too, unless what its steps won beyond it,
+per token, repays it over the tokens left in its request (drafting on would not feed those
+positions again). The credit never funds a probe below zero, so probes lose at most
+``PROBE_BUDGET`` of the plain steps' time plus one probe, however dear a catching up is;
+saving the credit for a long prompt's catching up *before* a probe (as it once did) kept a
+drafter that pays off for the whole of a domain of long prompts.
 """
 
 from __future__ import annotations
@@ -37,14 +42,14 @@ class ProbeLedger:
         if plain is not None:
             self.credit += PROBE_BUDGET * plain
 
-    def due(self, catch_up: float) -> bool:
-        """Whether the credit covers a probe that catches up ``catch_up`` seconds, and loses what the last ones did beyond."""
-        return self.credit >= catch_up + max(self.loss or 0.0, 0.0)
+    def due(self) -> bool:
+        """Whether the credit covers what the last probes lost beyond their catching up (its cost comes off after)."""
+        return self.credit >= max(self.loss or 0.0, 0.0)
 
-    def begin(self, catch_up: float) -> None:
-        """A probe starts, its catching up priced at ``catch_up`` seconds."""
+    def begin(self, catch_up: float, room: int) -> None:
+        """A probe starts, its catching up priced at ``catch_up`` seconds, with ``room`` tokens left in its request."""
         self._settle_aftermath()
-        self._probe = (catch_up, 0, 0.0)
+        self._probe = (catch_up, 0, 0.0, room)
 
     def step(self, tokens: int, seconds: float, plain: float | None, last: bool) -> None:
         """Count a probe's step (``tokens`` committed in ``seconds``); after its ``last``, settle what the pair lost.
@@ -54,13 +59,17 @@ class ProbeLedger:
         priced at the median of the last few, so neither a pause nor a run of them holds
         probing back for thousands of steps. A proposer that truly loses more is still asked
         at most about ``PROBE_BUDGET`` of the time.
+
+        Its catching up is charged unless what its steps won beyond it, per token, repays it
+        over the tokens left in the request (drafting on would not feed those positions again).
         """
-        priced, before, spent = self._probe
-        self._probe = (priced, before + tokens, spent + seconds)
+        priced, before, spent, room = self._probe
+        self._probe = (priced, before + tokens, spent + seconds, room)
         if not last or plain is None:
             return
-        beyond = min(spent + seconds - (before + tokens) * plain - priced, PROBE_LOSS_CAP * plain)
-        lost = priced + beyond
+        tokens += before
+        beyond = min(spent + seconds - tokens * plain - priced, PROBE_LOSS_CAP * plain)
+        lost = beyond if -beyond / tokens * (room - tokens) >= priced else priced + beyond
         self.credit = min(self.credit - lost, max(lost, plain))  # a win buys the next probe, not a hoard
         self._losses.append(beyond)
         self.loss = statistics.median(self._losses)

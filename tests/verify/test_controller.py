@@ -411,20 +411,3 @@ def test_the_catch_up_price_shrugs_off_a_pause_and_small_catch_ups():
     assert a + 960 * b == pytest.approx(0.5 + 9.6, rel=0.2)
     a, b = least_squares(points, forget=0.9)
     assert a + 960 * b > 50
-
-
-def test_a_proposer_is_probed_after_the_ceiling_whatever_its_catching_up_is_priced_at(monkeypatch):
-    """Random text throughout and catching up priced at 10^6 plain steps: the 1% credit never covers a probe, and still one
-    comes within PROBE_CEILING + 10 plain steps. Negative control: without the ceiling, none comes in 3000 steps."""
-
-    def probes(ceiling: float) -> list[int]:
-        monkeypatch.setattr(controller_module, "PROBE_CEILING", ceiling)
-        controller = Controller(6)
-        controller.catch_up.update(1.0, 1e6)  # a wild price per position, for every draft after plain steps
-        controller.catch_up.update(2.0, 2e6)
-        plans = list(simulate(controller, 3000, lambda step, depth: 0.0))
-        return [i for i, plan in enumerate(plans) if plan.probe and not plan.whole]
-
-    found = probes(controller_module.PROBE_CEILING)
-    assert found and found[0] <= controller_module.PROBE_CEILING + 10, found[:3]
-    assert probes(float("inf")) == []
