@@ -33,25 +33,22 @@ itself while it decodes and decides per step:
    step's rest counts as at most ``PAUSE_BOUND`` plain steps per verified row, one probe's
    loss (with what it slows the plain steps after it) as at most
    ``verify.probes.PROBE_LOSS_CAP`` plain steps, and the next probe is priced at the median
-   of the last few, so probes of a proposer that is off follow each other at most some 400
-   plain steps apart (plus catching up), whatever the machine's pauses; one step moves its
-   depth's averages by a bounded amount, and no depth is priced above a deeper one.
+   of the last few, so probes follow each other at most some 400 plain steps apart (plus
+   their catching up), whatever the pauses; one step moves its depth's averages by a
+   bounded amount, and no depth is priced above a deeper one.
 
-A proposer that stopped paying is asked again now and then (a probe: two drafted steps,
-as often as a credit of 1% of the plain steps' time covers what probes lose, so they follow
-each other quickly when they win), and one that pays is now and then tried one depth
-deeper or in its other shape, so the controller follows the text when it turns
-predictable or stops being so. A draft after plain steps first feeds the proposer what
-they committed; that catching up is priced (a robust line in the positions) and must pay
-back over the request's rest; a probe's is charged after it, unless what the probe won
-repays it over that rest; after ``PROBE_CEILING`` plain steps in a row a probe comes
-whatever the credit holds.
-Its state lives across requests (costs are the machine's), with the acceptance side
-forgetting old steps (a window of some 20 drafted steps).
+A proposer that stopped paying is asked again now and then (a probe: two drafted steps in
+a row, as often as a credit of 1% of the plain steps' time covers what probes lose, so they
+follow each other quickly when they win), and one that pays is now and then tried one
+depth deeper or in its other shape, so the controller follows the text. A draft after plain
+steps first feeds the proposer what they committed; that catching up is priced (a robust
+line in the positions) and must pay back over the request's rest; a probe's is charged
+after it, unless what the probe won repays it over that rest; after ``PROBE_CEILING`` plain
+steps in a row a probe comes whatever the credit holds. Its state lives across requests
+(costs are the machine's), the acceptance side forgetting old steps (some 20 drafted steps).
 
-Exactness: the plan uses committed outcomes and timings only, and a trim is applied only
-where any choice of nodes is exact, so greedy output stays token-identical to plain
-decoding and sampled output keeps the target's distribution.
+Exactness: the plan uses committed outcomes and timings only, and a trim only where any choice
+of nodes is exact: greedy output is token-identical to plain decoding, sampled keeps its law.
 """
 
 from __future__ import annotations
@@ -154,8 +151,14 @@ class Controller:
     # -- costs ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """A new request: its proposer has fed none of its context yet (the first draft catches up the prompt)."""
+        """A new request: its proposer has fed none of its context yet (the first draft catches up the prompt).
+
+        A probe cut short by the last request's end is settled on its first step (a second would catch up a new prompt).
+        """
         self.missed = None
+        if self.probe_pending:
+            self.probe_pending, self._estimates = False, None
+            self.probes.cut(self.plain_seconds)
 
     # -- 0. plan -------------------------------------------------------------------------
 
@@ -248,12 +251,12 @@ class Controller:
         each other quickly once the text turns predictable.
         Exploring a drafting proposer alternates one depth deeper with the other shape's best depth.
         """
+        if self.probe_pending:  # a probe is two drafted steps in a row: the second one's drafting is no catch-up, so it is measured
+            self.probe_pending = False
+            return self._plan(drafting, shape, probe=True)
         if best and (self.since_plain >= (PLAIN_EVERY if self.plain_samples >= PLAIN_SAMPLES else PLAIN_SAMPLES)):
             return self.PLAIN  # keep the plain cost measured: often until it has a few samples, then now and then
         if best == 0:
-            if self.probe_pending:  # a probe is two drafted steps: the second one's drafting is not a catch-up, so it is measured
-                self.probe_pending = False
-                return self._plan(drafting, shape, probe=True)
             self.plain_run += 1
             self.probes.accrue(self.plain_seconds)
             due = self.probes.due() or self.plain_run >= PROBE_CEILING  # the ceiling: whatever the estimates say

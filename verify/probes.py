@@ -8,9 +8,9 @@ steps a few percent slower (likely what the drafter's forward took of the caches
 cost as large as the rest for a probe that nearly pays. Every plain step adds
 ``PROBE_BUDGET`` of its seconds to a credit; a probe waits until the credit covers what the
 last probes lost beyond their catching up (the median); what it loses comes off the credit,
-what it wins goes on it. Its catching up comes off too, unless what its steps won beyond it,
-per token, repays it over the tokens left in its request (drafting on would not feed those
-positions again). The credit never funds a probe below zero, so probes lose at most
+what it wins goes on it. Its catching up comes off too, unless what its second step won (no
+catching up in it), per token, repays it over the tokens left in its request (drafting on
+would not feed those positions again). The credit never funds a probe below zero, so probes lose at most
 ``PROBE_BUDGET`` of the plain steps' time plus one probe, however dear a catching up is;
 saving the credit for a long prompt's catching up *before* a probe (as it once did) kept a
 drafter that pays off for the whole of a domain of long prompts.
@@ -34,7 +34,8 @@ class ProbeLedger:
         self.credit = 0.0  # seconds probes may still lose: PROBE_BUDGET of every plain step, less what probes lost
         self.loss: float | None = None  # what a probe loses beyond its catching up (median; None: unknown)
         self._losses: deque[float] = deque(maxlen=PROBE_HISTORY)  # the last probes' losses, each capped
-        self._probe = (0.0, 0, 0.0)  # the probe under way: (its catching up as priced, tokens, seconds)
+        self._probe = (0.0, 0, 0.0, 0)  # the probe under way: (its catching up as priced, tokens, seconds, room at its start)
+        self._last: tuple[int, float] | None = None  # its last step's (tokens, seconds), until it is settled
         self._after: list[float] | None = None  # after a probe: [plain steps seen, their excess seconds, a plain step then]
 
     def accrue(self, plain: float | None) -> None:
@@ -49,7 +50,7 @@ class ProbeLedger:
     def begin(self, catch_up: float, room: int) -> None:
         """A probe starts, its catching up priced at ``catch_up`` seconds, with ``room`` tokens left in its request."""
         self._settle_aftermath()
-        self._probe = (catch_up, 0, 0.0, room)
+        self._probe, self._last = (catch_up, 0, 0.0, room), None
 
     def step(self, tokens: int, seconds: float, plain: float | None, last: bool) -> None:
         """Count a probe's step (``tokens`` committed in ``seconds``); after its ``last``, settle what the pair lost.
@@ -60,16 +61,30 @@ class ProbeLedger:
         probing back for thousands of steps. A proposer that truly loses more is still asked
         at most about ``PROBE_BUDGET`` of the time.
 
-        Its catching up is charged unless what its steps won beyond it, per token, repays it
-        over the tokens left in the request (drafting on would not feed those positions again).
+        Its catching up is charged unless what its second step won (it feeds nothing the plain
+        steps committed), per token, repays it over the tokens left in the request: drafting
+        on would not feed those positions again. Then the probe counts as that step's win. The
+        second step judges, not the pair less the catching up as priced: a price above the
+        truth (a line through small catch-ups, carried to a whole prompt) would have
+        forgiven a probe of a drafter that wins nothing.
         """
         priced, before, spent, room = self._probe
-        self._probe = (priced, before + tokens, spent + seconds, room)
-        if not last or plain is None:
-            return
-        tokens += before
-        beyond = min(spent + seconds - tokens * plain - priced, PROBE_LOSS_CAP * plain)
-        lost = beyond if -beyond / tokens * (room - tokens) >= priced else priced + beyond
+        self._probe, self._last = (priced, before + tokens, spent + seconds, room), (tokens, seconds)
+        if last and plain is not None:
+            self._settle(plain)
+
+    def cut(self, plain: float | None) -> None:
+        """The probe under way was cut short by its request's end: settle it on the step it took."""
+        if self._last is not None and plain is not None:
+            self._settle(plain)
+
+    def _settle(self, plain: float) -> None:
+        priced, total, spent, room = self._probe
+        tokens, seconds = self._last
+        self._last = None
+        won = tokens * plain - seconds  # the last step's win: no catching up in a probe's second step
+        beyond = min(spent - total * plain - priced, PROBE_LOSS_CAP * plain)
+        lost = -won if won > 0 and won / tokens * (room - total) >= priced else priced + beyond
         self.credit = min(self.credit - lost, max(lost, plain))  # a win buys the next probe, not a hoard
         self._losses.append(beyond)
         self.loss = statistics.median(self._losses)
