@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.add_argument("--compile", action="store_true", help="compile the target's forward (torch.compile; pays on long outputs only)")
     gen.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 for a model under 50M parameters)")
-    gen.add_argument("--no-warm-up", action="store_true", help="skip the untimed plain warm-up before the request (its time is reported)")
+    gen.add_argument("--no-warm-up", action="store_true", help="skip the untimed warm-up (plain, then drafting; its time is reported)")
     gen.add_argument("--fixed", action="store_true", help="draft with the proposer's fixed config every step (no speculation controller)")
     gen.set_defaults(run=run_generate)
 

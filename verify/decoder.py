@@ -143,9 +143,21 @@ class SpeculativeDecoder:
         if proposer_vocab is not None and proposer_vocab != self.vocab_size:
             raise InputError(f"proposer vocabulary size {proposer_vocab} differs from the target's {self.vocab_size}")
         # one controller per decoder: the costs it learns are this machine's, across requests
-        if controller is None and self.proposer is not None and adaptive:
+        self._own_controller = controller is None and self.proposer is not None and adaptive
+        if self._own_controller:
             controller = Controller(self.proposer.draft_depth(), self.proposer.draft_width())
         self.controller = controller if self.proposer is not None else None
+
+    def reset(self) -> None:
+        """Forget what was learnt across requests: the proposer's (``Proposer.reset``), and the controller's where the
+        decoder built its own (a fresh one); a controller passed in is its owner's to reset.
+
+        After a warm-up, so that the requests that count start from costs without the first calls' one-off ones.
+        """
+        if self.proposer is not None:
+            self.proposer.reset()
+        if self._own_controller:
+            self.controller = Controller(self.proposer.draft_depth(), self.proposer.draft_width())
 
     def generate(
         self,
@@ -177,13 +189,16 @@ class SpeculativeDecoder:
             return self._generate(request)
 
     def warm_up(self, prompt_tokens: int, new_tokens: int = WARM_UP_TOKENS) -> float:
-        """Decode once, plain and untimed, after a dummy prompt of ``prompt_tokens`` tokens; return the seconds it took.
+        """Decode untimed after a dummy prompt of ``prompt_tokens`` tokens, plain and then drafting; return the seconds it took.
 
         A fresh process pays one-off costs in its first forwards of each shape (kernel
         selection, the allocator, the thread pool), which a warm request does not
         (``benchmarks/bench_generate.py`` measures the first request). A server warms up before it takes requests;
         ``draftsmith generate`` calls this before its one request (``--no-warm-up`` skips
-        it). The proposer and the controller take no part: what they learn stays the requests'.
+        it). With a proposer, a second decode drafts with its fixed config (its forwards and the
+        target's scoring of a draft pay theirs too), and the proposer is ``reset`` after. The
+        controller takes no part: what it learns stays the requests', and from warm forwards
+        (one that learnt from first ones took their one-off costs for what drafting costs).
         """
         prompt_tokens, new_tokens = check_integer("prompt_tokens", prompt_tokens), check_integer("new_tokens", new_tokens)
         if prompt_tokens < 1 or new_tokens < 1:
@@ -191,10 +206,15 @@ class SpeculativeDecoder:
         if self.max_positions is not None:  # a longer request than the model holds warms up as the longest it holds
             prompt_tokens = max(1, min(prompt_tokens, self.max_positions - new_tokens))
             new_tokens = min(new_tokens, self.max_positions - prompt_tokens)
-        plain = copy.copy(self)  # the same model and forward, without the proposer or the controller
-        plain.proposer = plain.controller = None
+        warm = copy.copy(self)  # the same model, forward and proposer, without the controller
+        warm.controller = None
+        dummy = torch.arange(prompt_tokens)[None] % self.vocab_size
         tick = time.perf_counter()
-        plain.generate(torch.arange(prompt_tokens)[None] % self.vocab_size, max_new_tokens=new_tokens)
+        for proposer in (None, self.proposer) if self.proposer is not None else (None,):
+            warm.proposer = proposer
+            warm.generate(dummy, max_new_tokens=new_tokens)
+        if self.proposer is not None:
+            self.proposer.reset()
         return time.perf_counter() - tick
 
     def _generate(self, request: Request) -> DecodeResult:

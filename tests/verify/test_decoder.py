@@ -187,13 +187,17 @@ def test_draft_shrinks_to_fit_max_positions(make_llama, prompt):
     assert result.new_tokens == reference
 
 
-def test_warm_up_decodes_plain_and_leaves_the_requests_state_alone(model, make_llama, prompt, reference):
+def test_warm_up_decodes_plain_then_drafting_and_leaves_the_requests_state_alone(model, make_llama, prompt, reference):
     proposer = ScriptedProposer(oracle(reference, prompt.shape[1]))
+    resets = []
+    proposer.reset = lambda: resets.append(1)
     decoder = SpeculativeDecoder(model, proposer)
     before = decoder.controller.snapshot()
     seconds = decoder.warm_up(prompt.shape[1])
     assert seconds > 0.0
-    assert proposer.max_depths == [] and decoder.controller.snapshot() == before  # neither drafted nor learned
+    assert proposer.max_depths and resets == [1]  # it drafted, at its fixed config, and forgot
+    assert decoder.controller.snapshot() == before and sum(decoder.controller.planned) == 0  # the controller learnt nothing
+    proposer.max_depths.clear()
     assert decoder.proposer is proposer and decoder.controller is not None
     assert decoder.generate(prompt, max_new_tokens=MAX_NEW).new_tokens == reference
     # a prompt longer than the model's positions is shortened to fit, not refused
@@ -204,6 +208,27 @@ def test_warm_up_decodes_plain_and_leaves_the_requests_state_alone(model, make_l
             decoder.warm_up(bad)
     with pytest.raises(InputError, match="new_tokens"):
         decoder.warm_up(4, new_tokens=0)
+
+
+def test_reset_forgets_what_the_proposer_and_the_decoder_s_own_controller_learnt(model, prompt, reference):
+    """After a request, ``reset`` gives the decoder a fresh controller (nothing planned, no costs) and resets the
+    proposer; a controller passed in is kept as it is (its owner's to reset); a plain decoder has nothing to forget."""
+    resets = []
+    proposer = ScriptedProposer(oracle(reference, prompt.shape[1]))
+    proposer.reset = lambda: resets.append(1)
+    decoder = SpeculativeDecoder(model, proposer)
+    assert decoder.generate(prompt, max_new_tokens=MAX_NEW).new_tokens == reference
+    learnt = decoder.controller
+    assert sum(learnt.planned) > 0 and learnt.plain_seconds is not None
+    decoder.reset()
+    assert resets == [1] and decoder.controller is not learnt
+    assert sum(decoder.controller.planned) == 0 and decoder.controller.plain_seconds is None
+    assert decoder.controller.max_depth == learnt.max_depth
+    assert decoder.generate(prompt, max_new_tokens=MAX_NEW).new_tokens == reference
+    shared = SpeculativeDecoder(model, proposer, controller=learnt)
+    shared.reset()
+    assert shared.controller is learnt and resets == [1, 1]
+    SpeculativeDecoder(model).reset()
 
 
 def test_sampling_is_seeded(model, prompt):

@@ -198,11 +198,11 @@ def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
     use_chat_template(tokenizer, config.chat_template)
     torch.set_num_threads(decode_threads(model, config.threads))  # transformers' peers too: every method alike
     prompts = load_prompts(config, model, tokenizer, questions=True)  # every question row checked before any decoding
-    methods, proposers = build_methods(config, model, tokenizer)
+    methods, decoders = build_methods(config, model, tokenizer)
     for run in methods.values():  # warm-up, untimed: the first call of each path pays one-off costs
         run_turns(run, prompts[0], 0, tokenizer)
-    for proposer in proposers:  # what a proposer learns across requests starts from the evaluated ones
-        proposer.reset()
+    for decoder in decoders:  # what a proposer and a controller learn across requests starts from the evaluated ones
+        decoder.reset()  # (a controller would take the warm-up's first forwards of each shape for what drafting costs)
     records, stats = [], {}
     bar = tqdm(total=len(prompts) * len(methods), desc="eval", disable=not progress)
     names = list(methods)
@@ -274,7 +274,7 @@ def load_prompts(config, model, tokenizer, questions: bool = False) -> list[Prom
 
 
 def build_methods(config: EvalConfig, model, tokenizer) -> tuple[dict[str, Callable], list]:
-    """Row name -> fn(prompt, index) -> (new tokens, Record, DecodeStats | None), and the proposers built.
+    """Row name -> fn(prompt, index) -> (new tokens, Record, DecodeStats | None), and the proposers' decoders built.
 
     Plain decoding first, then every proposer, then the transformers peers they declare
     (with ``config.peers``); ``transformers_peer`` returns None for a proposer that has none.
@@ -282,12 +282,12 @@ def build_methods(config: EvalConfig, model, tokenizer) -> tuple[dict[str, Calla
     plain = SpeculativeDecoder(model, compile_forward=config.compile, threads=config.threads)
     methods = {PLAIN: _ours(plain, PLAIN, config, tokenizer)}
     peers: dict[str, TransformersPeer] = {}
-    proposers = []
+    decoders = []
     for name, proposer_config in config.proposers.items():
         proposer = load_proposer(proposer_config, target=model, tokenizer=tokenizer)
-        proposers.append(proposer)
         adaptive = config.adaptive and name not in config.fixed_rows
         decoder = SpeculativeDecoder(model, proposer, compile_forward=config.compile, adaptive=adaptive, threads=config.threads)
+        decoders.append(decoder)
         methods[name] = _ours(decoder, name, config, tokenizer)
         peer = proposer.transformers_peer() if config.peers else None
         if peer is not None:
@@ -296,7 +296,7 @@ def build_methods(config: EvalConfig, model, tokenizer) -> tuple[dict[str, Calla
     counter = _ForwardCounter(model) if peers else None
     for row, peer in peers.items():
         methods[row] = _hf(model, counter, row, config, tokenizer, peer.generate_kwargs)
-    return methods, proposers
+    return methods, decoders
 
 
 def _record(prompt: Prompt, method: str, index: int, new_tokens: int, forwards: int, wall: float, stats: DecodeStats | None) -> Record:

@@ -260,9 +260,11 @@ def test_each_prompt_turns_the_run_order_and_the_records_keep_the_row_order(tiny
     build = evaluate_module.build_methods
 
     def logged(config, model, tokenizer):
-        methods, proposers = build(config, model, tokenizer)
+        methods, decoders = build(config, model, tokenizer)
         wrap = lambda name, run: lambda prompt, index: calls.append((index, name)) or run(prompt, index)  # noqa: E731
-        return {name: wrap(name, run) for name, run in methods.items()}, proposers
+        for decoder in decoders:  # each decoder is reset after the warm-up, its controller learnt afresh
+            decoder.reset = lambda: calls.append("reset")
+        return {name: wrap(name, run) for name, run in methods.items()}, decoders
 
     monkeypatch.setattr(evaluate_module, "build_methods", logged)
     config = EvalConfig(
@@ -276,7 +278,8 @@ def test_each_prompt_turns_the_run_order_and_the_records_keep_the_row_order(tiny
         output_dir=str(tmp_path / "out"),
     )
     evaluate(config, progress=False)
-    timed = calls[3:]  # after the three warm-up calls
+    assert calls[3:5] == ["reset", "reset"]  # the two proposers' decoders, after the three warm-up calls
+    timed = calls[5:]
     first = [name for i, (index, name) in enumerate(timed) if i % 3 == 0]
     assert first == ["plain", "ngram", "tree"]  # no method always runs first
     records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
