@@ -145,8 +145,11 @@ class SpeculativeDecoder:
         # one controller per decoder: the costs it learns are this machine's, across requests
         self._own_controller = controller is None and self.proposer is not None and adaptive
         if self._own_controller:
-            controller = Controller(self.proposer.draft_depth(), self.proposer.draft_width())
+            controller = self._new_controller()
         self.controller = controller if self.proposer is not None else None
+
+    def _new_controller(self) -> Controller:
+        return Controller(self.proposer.draft_depth(), self.proposer.draft_width())
 
     def reset(self) -> None:
         """Forget what was learnt across requests: the proposer's (``Proposer.reset``), and the controller's where the
@@ -157,7 +160,7 @@ class SpeculativeDecoder:
         if self.proposer is not None:
             self.proposer.reset()
         if self._own_controller:
-            self.controller = Controller(self.proposer.draft_depth(), self.proposer.draft_width())
+            self.controller = self._new_controller()
 
     def generate(
         self,
@@ -206,14 +209,14 @@ class SpeculativeDecoder:
         if self.max_positions is not None:  # a longer request than the model holds warms up as the longest it holds
             prompt_tokens = max(1, min(prompt_tokens, self.max_positions - new_tokens))
             new_tokens = min(new_tokens, self.max_positions - prompt_tokens)
-        warm = copy.copy(self)  # the same model, forward and proposer, without the controller
-        warm.controller = None
+        warm = copy.copy(self)  # the same model and forward, without the proposer or the controller
+        warm.proposer = warm.controller = None
         dummy = torch.arange(prompt_tokens)[None] % self.vocab_size
         tick = time.perf_counter()
-        for proposer in (None, self.proposer) if self.proposer is not None else (None,):
-            warm.proposer = proposer
+        warm.generate(dummy, max_new_tokens=new_tokens)
+        if self.proposer is not None:  # then drafting at its fixed config (still no controller), and forgotten
+            warm.proposer = self.proposer
             warm.generate(dummy, max_new_tokens=new_tokens)
-        if self.proposer is not None:
             self.proposer.reset()
         return time.perf_counter() - tick
 

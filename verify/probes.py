@@ -10,10 +10,10 @@ cost as large as the rest for a probe that nearly pays. Every plain step adds
 last probes lost beyond their catching up (the median); what it loses comes off the credit,
 what it wins goes on it. Its catching up comes off too, unless what its second step won (no
 catching up in it), per token, repays it over the tokens left in its request (drafting on
-would not feed those positions again). The credit never funds a probe below zero, so probes lose at most
-``PROBE_BUDGET`` of the plain steps' time plus one probe, however dear a catching up is;
-saving the credit for a long prompt's catching up *before* a probe (as it once did) kept a
-drafter that pays off for the whole of a domain of long prompts.
+would not feed those positions again). The credit never funds a probe below zero, so
+probes lose at most ``PROBE_BUDGET`` of the plain steps' time plus one probe, however dear
+a catching up is; saving the credit for a long prompt's catching up *before* a probe (as it
+once did) kept a drafter that pays off for the whole of a domain of long prompts.
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ def test_a_probe_s_catching_up_is_charged_unless_its_win_repays_it_over_the_requ
 def test_a_proposer_is_probed_after_the_ceiling_however_much_its_last_probe_lost(monkeypatch):
     """Random text throughout, and a probe's catching up costs 10^4 plain steps: after a probe the credit is far
     below zero, and still the next comes within PROBE_CEILING + 10 plain steps. Negative control: without the ceiling,
-    none comes in 3000 steps."""
+    none comes after it in 3000 steps."""
     dear = linear_costs()
 
     def costs(plan, draft):
