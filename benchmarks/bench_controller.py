@@ -22,7 +22,9 @@
 
 ``--depth`` runs it all on the demo target padded with zero-output layers to that many
 layers (``bench_depth.padded_target``: the same function, a costlier step), with the same
-configs. Timings are medians of per-prompt ratios to plain decoding in the same run.
+configs. Timings are medians of per-prompt ratios to plain decoding in the same run, plain
+decoding's speed for a prompt being the median of its ``--plain-repeats`` runs (3; 1 before
+2026-12-06, ``c20`` and earlier).
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ def run_eval(args, target: Path, domains: dict, proposers: dict, fixed: list[str
         temperature=args.temperature,
         output_dir=str(Path(args.output) / tag),
         threads=1,
+        plain_repeats=args.plain_repeats,
     )
     return {(row["domain"], row["method"]): row for row in evaluate(config, progress=False)["rows"]}
 
@@ -252,6 +255,7 @@ def main() -> None:
     parser.add_argument("--domains", default=None, help="comma-separated demo domains (demo: all; grid: code,prose,long)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--plain-repeats", type=int, default=3, help="plain decoding's runs per prompt (its speed: their median)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--depth", type=int, default=0, help="pad the demo target to this many layers (0: as shipped)")
     parser.add_argument("--methods", default=None, help="comma-separated demo rows or grid families (default: all)")

@@ -2,8 +2,8 @@
 
 ``draftsmith eval --config recipes/eval/*.yaml`` runs every configured proposer, plain
 decoding and the transformers peer each proposer declares (``Proposer.transformers_peer``:
-assisted generation, prompt lookup) on the same prompts, interleaved prompt by prompt (the
-order turned by one each prompt) so machine-load drift and what ran just before hit all
+assisted generation, prompt lookup) on the same prompts, interleaved prompt by prompt (a
+balanced order, ``order.py``) so machine-load drift and what ran just before hit all
 alike, and writes per-prompt JSONL, a summary JSON, a
 Markdown table and PNG plots. Question files (Spec-Bench, MT-bench) run turn by turn and
 also get Spec-Bench's answer files (``questions.py``).
@@ -34,6 +34,7 @@ from ..decoder import SpeculativeDecoder
 from ..stats import DecodeStats
 from ..target import load_target
 from .domains import Prompt, load_domain
+from .order import balanced_order, median_speed
 from .questions import (
     Question,
     is_question_file,
@@ -110,6 +111,10 @@ class EvalConfig:
             method pay the compilation.
         chat_template: the chat template for question files and ``messages`` rows: None, the
             tokenizer's own; ``plain``, plain ``User: ... Assistant:`` text; else a jinja file's path.
+        plain_repeats: how many times plain decoding runs each prompt (in the prompt's order
+            like a method); its speed for the prompt, which every row's speedup divides by,
+            is the median of those runs (3: one unlucky plain run no longer moves every row
+            of its prompt alike).
     """
 
     target: str
@@ -129,13 +134,14 @@ class EvalConfig:
     fixed_rows: list[str] = field(default_factory=list)
     compile: bool = False
     chat_template: str | None = None
+    plain_repeats: int = 1
 
     def __post_init__(self):
         if not self.domains:
             raise InputError("'domains' is empty; give at least one name: file")
         if PLAIN in self.proposers:
             raise InputError(f"the row name {PLAIN!r} is reserved for plain decoding")
-        for name in ("num_prompts", "prompt_tokens", "max_new_tokens"):
+        for name in ("num_prompts", "prompt_tokens", "max_new_tokens", "plain_repeats"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
         SamplingParams(self.temperature, self.top_k, self.top_p)  # refuses what generate would (inf, a negative top_k, ...)
@@ -204,16 +210,19 @@ def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
     for decoder in decoders:  # what a proposer and a controller learn across requests starts from the evaluated ones
         decoder.reset()  # (a controller would take the warm-up's first forwards of each shape for what drafting costs)
     records, stats = [], {}
-    bar = tqdm(total=len(prompts) * len(methods), desc="eval", disable=not progress)
     names = list(methods)
+    slots = [(name, 0) for name in names] + [(PLAIN, repeat) for repeat in range(1, config.plain_repeats)]
+    bar = tqdm(total=len(prompts) * len(slots), desc="eval", disable=not progress)
     for index, prompt in enumerate(prompts):
         done = {}
-        for name in balanced_order(names, index):  # no method always runs first, or right after the same one
-            done[name] = run_turns(methods[name], prompt, index, tokenizer)  # a question: every turn, on this method's answers
+        for slot in balanced_order(slots, index):  # no method always runs first, or right after the same one
+            done[slot] = run_turns(methods[slot[0]], prompt, index, tokenizer)  # a question: every turn, on this method's answers
             bar.update()
-        for turn, (plain_tokens, plain_record, _) in enumerate(done[PLAIN]):
+        for turn, (plain_tokens, plain_record, _) in enumerate(done[PLAIN, 0]):
+            plain_record.tokens_per_s = median_speed([done[PLAIN, repeat][turn][1] for repeat in range(config.plain_repeats)])
+            plain_record.wall_time = plain_record.new_tokens / plain_record.tokens_per_s
             for name in names:  # the records in row order
-                tokens, record, decode_stats = done[name][turn]
+                tokens, record, decode_stats = done[name, 0][turn]
                 record.identical_to_plain = tokens == plain_tokens if config.temperature == 0 else None
                 record.speedup = record.tokens_per_s / plain_record.tokens_per_s
                 records.append(record)
@@ -223,28 +232,6 @@ def evaluate(config: EvalConfig, progress: bool = True) -> dict[str, Any]:
     summary = summarise(config, records, stats)
     write_outputs(config, records, summary)
     return summary
-
-
-def balanced_order(names: list[str], index: int) -> list[str]:
-    """The methods in the order prompt ``index`` runs them: a row of a Williams design (a balanced Latin square).
-
-    What runs just before a method (which weights are warm in the cache, what the allocator
-    holds) shifts its time by a few percent on a small CPU. Turning one order by a prompt
-    each would move every method through every position but keep its predecessor: the
-    method after a large draft model would always pay for it. Over ``n`` consecutive prompts
-    (``2n`` for an odd number of methods) this design runs every method in every position
-    equally often and right after every other method equally often.
-    """
-    n = len(names)
-    base, low, high = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...: every difference between neighbours once
-    while low <= high:
-        base.append(low)
-        if low != high:
-            base.append(high)
-        low, high = low + 1, high - 1
-    row = index % (n if n % 2 == 0 else 2 * n)
-    order = [names[(b + row) % n] for b in base]
-    return order if row < n else order[::-1]  # odd n: the mirrored square balances what the first one cannot
 
 
 def load_prompts(config, model, tokenizer, questions: bool = False) -> list[Prompt | Question]:

@@ -285,3 +285,50 @@ def test_each_prompt_turns_the_run_order_and_the_records_keep_the_row_order(tiny
     records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
     assert [r["method"] for r in records] == ["plain", "ngram", "tree"] * 3
     assert all(r["identical_to_plain"] for r in records) and all(r["speedup"] > 0 for r in records)
+
+
+@pytest.mark.parametrize("repeats", [1, 3])
+def test_plain_decoding_runs_each_prompt_plain_repeats_times_and_its_speed_is_their_median(
+    repeats, tiny_target_dir, domain_files, tmp_path, monkeypatch
+):
+    """With ``plain_repeats`` 3 plain decoding runs 3 times a prompt, in its balanced order, and every row's speedup
+    divides by the median of the three runs' speeds (here 10, 40, 20 tok/s: 20). With 1 (negative control: the
+    median is no accident of the values) it is the one run's (10)."""
+    evaluate_module = importlib.import_module("draftsmith.verify.evaluation.evaluate")
+    build, ran = evaluate_module.build_methods, Counter()
+
+    def logged(config, model, tokenizer):
+        methods, decoders = build(config, model, tokenizer)
+        plain = methods["plain"]
+
+        def timed(prompt, index):
+            tokens, record, stats = plain(prompt, index)
+            ran[index] += 1
+            record.tokens_per_s = (10.0, 40.0, 20.0)[(ran[index] - 1) % 3]
+            return tokens, record, stats
+
+        return {**methods, "plain": timed}, decoders
+
+    monkeypatch.setattr(evaluate_module, "build_methods", logged)
+    config = EvalConfig(
+        target=str(tiny_target_dir),
+        domains={"code": domain_files["code"]},
+        proposers={"ngram": {"type": "ngram", "min_n": 1}},
+        peers=False,
+        num_prompts=3,
+        prompt_tokens=24,
+        max_new_tokens=8,
+        output_dir=str(tmp_path / "out"),
+        plain_repeats=repeats,
+    )
+    evaluate(config, progress=False)
+    assert [ran[index] for index in range(3)] == [repeats + (index == 0) for index in range(3)]  # prompt 0: the warm-up too
+    records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
+    plain = [r for r in records if r["method"] == "plain"]
+    expected = 20.0 if repeats == 3 else 10.0
+    assert all(r["tokens_per_s"] == expected for r in plain[1:])  # prompt 0's runs come after its warm-up run
+    for r in records:
+        if r["method"] == "ngram" and r["prompt_index"] > 0:
+            assert r["speedup"] == pytest.approx(r["tokens_per_s"] / expected)
+    with pytest.raises(ValueError, match="plain_repeats must be >= 1, got 0"):
+        replace(config, plain_repeats=0)
