@@ -37,15 +37,16 @@ itself while it decodes and decides per step:
    their catching up), whatever the pauses; one step moves its depth's averages by a
    bounded amount, and no depth is priced above a deeper one.
 
-A proposer that stopped paying is asked again now and then (a probe: two drafted steps in
-a row, as often as a credit of 1% of the plain steps' time covers what probes lose, so they
-follow each other quickly when they win), and one that pays is now and then tried one
-depth deeper or in its other shape, so the controller follows the text. A draft after plain
-steps first feeds the proposer what they committed; that catching up is priced (a robust
-line in the positions) and must pay back over the request's rest; a probe's is charged
-after it, unless what the probe won repays it over that rest; after ``PROBE_CEILING`` plain
-steps in a row a probe comes whatever the credit holds. Its state lives across requests
-(costs are the machine's), the acceptance side forgetting old steps (some 20 drafted steps).
+A proposer that stopped paying is asked again now and then (a probe: two drafted steps in a
+row, as often as a credit of 1% of the plain steps' time covers what probes lose, so they
+follow each other quickly when they win; a new request may open with one:
+``verify.probes``), and one that pays is now and then tried one depth deeper or in its
+other shape, so the controller follows the text. A draft after plain steps first feeds the
+proposer what they committed; that catching up is priced (a robust line in the positions)
+and must pay back over the request's rest; a probe's is charged after it, unless what the
+probe won repays it over that rest; after ``PROBE_CEILING`` plain steps in a row a probe
+comes whatever the credit holds. Its state lives across requests (costs are the machine's),
+the acceptance side forgetting old steps (some 20 drafted steps).
 
 Exactness: the plan uses committed outcomes and timings only, and a trim only where any choice
 of nodes is exact: greedy output is token-identical to plain decoding, sampled keeps its law.
@@ -156,6 +157,7 @@ class Controller:
         A probe cut short by the last request's end is settled on its first step (a second would catch up a new prompt).
         """
         self.missed = None
+        self.probes.request_end()
         if self.probe_pending:
             self.probe_pending, self._estimates = False, None
             self.probes.cut(self.plain_seconds)
@@ -241,14 +243,12 @@ class Controller:
     def _explore(self, best: int, shape: int, drafting: int, deepest: int, catch_up: float = 0.0, room: int = 0) -> Plan:
         """Probe a proposer that is off, now and then; probe around the planned depth and shape, and measure a plain step, now and then.
 
-        Probes pay for themselves (``verify.probes``): every plain step adds 1% of its seconds
-        to a credit, and a probe (at least ``probe_every`` plain steps after the last) waits
-        until the credit covers what the last probes lost beyond their catching up, the plain
-        steps they slowed included. What a probe loses (its catching up of the positions the
-        proposer has not fed included, unless its win repays that over the request's rest)
-        comes off the credit, what it wins goes on it, so probes cost about 1% of the time
-        where drafting does not pay (a long prompt's dear first draft included), and follow
-        each other quickly once the text turns predictable.
+        Probes pay for themselves (``verify.probes``): a probe (at least ``probe_every`` plain
+        steps after the last) waits until a credit of 1% of the plain steps' seconds covers
+        what the last probes lost beyond their catching up (the plain steps they slowed
+        included); what it loses (its catching up too, unless its win repays that over the
+        request's rest) comes off the credit, what it wins goes on it. A request not drafted
+        in yet may open with a probe that its drafter's recent requests pay for (``opens``).
         Exploring a drafting proposer alternates one depth deeper with the other shape's best depth.
         """
         if self.probe_pending:  # a probe is two drafted steps in a row: the second one's drafting is no catch-up, so it is measured
@@ -260,9 +260,10 @@ class Controller:
             self.plain_run += 1
             self.probes.accrue(self.plain_seconds)
             due = self.probes.due() or self.plain_run >= PROBE_CEILING  # the ceiling: whatever the estimates say
-            if drafting and self.plain_run >= self.probe_every and due:
+            opens = drafting and not due and self.missed is None and self.probes.opens(catch_up, room, self.plain_seconds)  # new text
+            if drafting and self.plain_run >= self.probe_every and (due or opens):
                 self.plain_run, self.probe_pending = 0, True
-                self.probes.begin(catch_up, room)
+                self.probes.begin(catch_up, room, opening=opens)
                 return self._plan(drafting, shape, probe=True)
             return self.PLAIN
         self.plain_run = 0
@@ -378,10 +379,8 @@ class Controller:
             paired = plan.probe and not plan.whole  # a probe of a proposer that is off (an exploring step waits its turn)
             if self.observed % every == 0 or (paired and not self.probe_pending) or dear:
                 self._estimates = None  # the next plan learns the pending steps first (after a probe: whether it is back)
-            if paired:
-                self.probes.step(len(result.committed), step_seconds, self.plain_seconds, last=not self.probe_pending)
-            else:
-                self.probes.drafted_step()
+            probe = step_seconds if paired else None  # a probe's step as timed (what one probe loses has its own cap)
+            self.probes.drafted(len(result.committed), rest + draft_seconds, self.plain_seconds, missed < 2, probe, not self.probe_pending)
         self.seconds += time.perf_counter() - tick
 
     def _learn_pending(self) -> None:
@@ -446,5 +445,6 @@ class Controller:
             "shapes": shapes,
             "probe_credit_ms": round(1000 * self.probes.credit, 3),
             "probe_loss_ms": None if self.probes.loss is None else round(1000 * self.probes.loss, 3),
+            "requests_suited": round(self.probes.chance(), 3),  # the chance a request suits the drafter (an opening probe's)
             "catch_up_ms_per_100": round(100 * 1000 * self.catch_up.line()[1], 4) if self.catch_up.count else None,
         }

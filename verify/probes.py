@@ -14,6 +14,12 @@ would not feed those positions again). The credit never funds a probe below zero
 probes lose at most ``PROBE_BUDGET`` of the plain steps' time plus one probe, however dear
 a catching up is; saving the credit for a long prompt's catching up *before* a probe (as it
 once did) kept a drafter that pays off for the whole of a domain of long prompts.
+
+A request is new text: a probe may also open one, whatever the credit holds, where what the
+drafter's recent requests won promises twice what the probe risks (``opens``). Such a probe
+is not charged to the credit; each one that loses makes the next less likely. Without it, the
+debt of one losing probe of a long prompt held a drafter plain over the short predictable
+requests after it for as long as the credit took to win that back.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ PROBE_BUDGET = 0.01  # the share of the plain steps' time that probes may lose, 
 PROBE_LOSS_CAP = 2.0  # plain steps one probe's loss beyond its catching up counts for at most (a pause inside it is not a cost)
 PROBE_HISTORY = 5  # the probes whose median loss prices the next one
 AFTERMATH = 20  # the plain steps after a probe whose excess over a plain step's cost is charged to it
+OPEN_K = 2.0  # an opening probe must promise this many times what it risks (a request is one sample of its text)
+SUITED_WEIGHT = 0.3  # how far one request that drafted moves the chance that a request suits the drafter
+SUITED_PRIOR = (0.25, 0.5)  # (requests suited, requests) the chance starts from, and never forgets
 
 
 class ProbeLedger:
@@ -35,8 +44,12 @@ class ProbeLedger:
         self.loss: float | None = None  # what a probe loses beyond its catching up (median; None: unknown)
         self._losses: deque[float] = deque(maxlen=PROBE_HISTORY)  # the last probes' losses, each capped
         self._probe = (0.0, 0, 0.0, 0)  # the probe under way: (its catching up as priced, tokens, seconds, room at its start)
+        self._opening = False  # whether it (or the last, until its aftermath is settled) opened a request (``opens``)
         self._last: tuple[int, float] | None = None  # its last step's (tokens, seconds), until it is settled
         self._after: list[float] | None = None  # after a probe: [plain steps seen, their excess seconds, a plain step then]
+        self.gain: float | None = None  # seconds a request that suited the drafter won per token, drafting steadily (running average)
+        self.suited = [0.0, 0.0]  # requests that drafted and whose drafting won, and requests that drafted (decayed)
+        self._request = [0, 0.0, 0.0, 0]  # this request's drafted steps, what they won (seconds), that of the steady ones, its tokens
 
     def accrue(self, plain: float | None) -> None:
         """A plain step was planned: it adds its share to the credit."""
@@ -47,10 +60,56 @@ class ProbeLedger:
         """Whether the credit covers what the last probes lost beyond their catching up (its cost comes off after)."""
         return self.credit >= max(self.loss or 0.0, 0.0)
 
-    def begin(self, catch_up: float, room: int) -> None:
+    def opens(self, catch_up: float, room: int, plain: float | None) -> bool:
+        """Whether a probe at a request's start repays OPEN_K times its risk: ``q * gain * room > OPEN_K * (catch_up + (1 - q) * loss)``.
+
+        A new request is new text: what the drafter did on the last ones is evidence about it, not
+        its acceptance. ``q`` is the share of the recent requests that drafted whose drafting won
+        (``SUITED_PRIOR`` keeps it above ~0.07), ``gain`` what such a request's steady drafted
+        steps (no catching up in them) won per token of it, ``room`` the tokens left: the probe
+        wins that much if the text suits the drafter, costs its catching up whatever, and its
+        loss (the last probes' median; a plain step while unknown) if not. A drafter that never
+        won a request has no gain to promise; one that loses the probes of a kind of text soon
+        has a ``q`` too small for that text's catching up.
+        """
+        if not self.gain or plain is None:
+            return False
+        q = self.chance()
+        return q * self.gain * room > OPEN_K * (catch_up + (1.0 - q) * max(self.loss if self.loss is not None else plain, 0.0))
+
+    def chance(self) -> float:
+        """``q``: the share of the recent requests that drafted whose drafting won, over ``SUITED_PRIOR``."""
+        (won, drafted), (prior_won, prior) = self.suited, SUITED_PRIOR
+        return (won + prior_won) / (drafted + prior)
+
+    def drafted(self, tokens: int, seconds: float, plain: float | None, steady: bool, probe: float | None, last: bool) -> None:
+        """A drafted step committed ``tokens`` in ``seconds`` (a pause bounded); ``steady``: it caught nothing up.
+
+        ``probe``: the seconds of a probe's step (None: no probe), and ``last`` whether it is the probe's last.
+        """
+        if plain is not None:
+            request, win = self._request, tokens * plain - seconds
+            request[:] = request[0] + 1, request[1] + win, request[2] + steady * win, request[3] + tokens
+        if probe is not None:
+            self.step(tokens, probe, plain, last)
+        else:
+            self._settle_aftermath()  # a drafted step ends a probe's aftermath: the plain steps after it are its own
+
+    def request_end(self) -> None:
+        """A request ended: if it drafted (two steps or more: a probe), whether its drafting won moves ``q``, and what it won ``gain``."""
+        steps, won, steady, tokens = self._request
+        if steps >= 2:
+            keep = 1.0 - SUITED_WEIGHT
+            self.suited = [keep * self.suited[0] + (won > 0.0), keep * self.suited[1] + 1.0]
+            if won > 0.0:
+                gain = steady / tokens
+                self.gain = gain if self.gain is None else keep * self.gain + SUITED_WEIGHT * gain
+        self._request = [0, 0.0, 0.0, 0]
+
+    def begin(self, catch_up: float, room: int, opening: bool = False) -> None:
         """A probe starts, its catching up priced at ``catch_up`` seconds, with ``room`` tokens left in its request."""
         self._settle_aftermath()
-        self._probe, self._last = (catch_up, 0, 0.0, room), None
+        self._probe, self._last, self._opening = (catch_up, 0, 0.0, room), None, opening
 
     def step(self, tokens: int, seconds: float, plain: float | None, last: bool) -> None:
         """Count a probe's step (``tokens`` committed in ``seconds``); after its ``last``, settle what the pair lost.
@@ -85,23 +144,21 @@ class ProbeLedger:
         won = tokens * plain - seconds  # the last step's win: no catching up in a probe's second step
         beyond = min(spent - total * plain - priced, PROBE_LOSS_CAP * plain)
         lost = -won if won > 0 and won / tokens * (room - total) >= priced else priced + beyond
-        self.credit = min(self.credit - lost, max(lost, plain))  # a win buys the next probe, not a hoard
+        if not self._opening:  # an opening probe paid its way by its own chances (``opens``), not from the credit
+            self.credit = min(self.credit - lost, max(lost, plain))  # a win buys the next probe, not a hoard
         self._losses.append(beyond)
         self.loss = statistics.median(self._losses)
         self._after = [0, 0.0, plain]
 
     def plain_step(self, seconds: float) -> None:
         """A plain step took ``seconds`` (pause-bounded): within ``AFTERMATH`` of a probe, its excess is the probe's."""
+        self._request[3] += 1
         after = self._after
         if after is not None:
             after[0] += 1
             after[1] += seconds - after[2]
             if after[0] >= AFTERMATH:
                 self._settle_aftermath()
-
-    def drafted_step(self) -> None:
-        """A drafted step ends a probe's aftermath: the plain steps after it are its own."""
-        self._settle_aftermath()
 
     def _settle_aftermath(self) -> None:
         """Charge the last probe what the plain steps after it lost (or won: faster steps count too, so noise averages out).
@@ -116,6 +173,7 @@ class ProbeLedger:
         self._after = None
         before = self._losses[-1]
         after = max(min(before + excess, PROBE_LOSS_CAP * plain), before - PROBE_LOSS_CAP * plain)
-        self.credit = min(self.credit - (after - before), max(self.credit, plain))
+        if not self._opening:
+            self.credit = min(self.credit - (after - before), max(self.credit, plain))
         self._losses[-1] = after
         self.loss = statistics.median(self._losses)

@@ -52,7 +52,7 @@ def test_a_probe_s_aftermath_is_capped_and_ended_by_a_drafted_step():
     assert ledger.loss == 0.5
     for _ in range(5):
         ledger.plain_step(1.1)
-    ledger.drafted_step()
+    ledger.drafted(1, 0.5, 1.0, steady=True, probe=None, last=True)
     assert abs(ledger.loss - 1.0) < 1e-9  # five plain steps, each a tenth slower: half a plain step more
     ledger.begin(0.0, 60)
     ledger.step(1, 1.0, plain=1.0, last=False)
@@ -64,17 +64,18 @@ def test_a_probe_s_aftermath_is_capped_and_ended_by_a_drafted_step():
     assert ledger._losses[-1] == 2.0
 
 
-def requests(controller: Controller, count: int, accept, catch_up=(0.5, 0.005), seed: int = 0):
-    """Drive ``controller`` over ``count`` requests of ``TOKENS`` tokens after a ``PROMPT``-token prompt, on the
-    ``linear_costs`` clock (a plain step costs 1): a drafted step first feeds its drafter the positions it has not
-    seen, at ``catch_up[0] + catch_up[1]`` per position (960: 5.3 plain steps). Each node of a chain is accepted with
-    ``accept(request)``. Yields (request, plan, seconds, tokens committed) per step."""
+def requests(controller: Controller, count: int, accept, catch_up=(0.5, 0.005), seed: int = 0, prompt=lambda request: PROMPT):
+    """Drive ``controller`` over ``count`` requests of ``TOKENS`` tokens after a prompt of ``prompt(request)`` tokens
+    (``PROMPT``), on the ``linear_costs`` clock (a plain step costs 1): a drafted step first feeds its drafter the
+    positions it has not seen, at ``catch_up[0] + catch_up[1]`` per position (960: 5.3 plain steps). Each node of a
+    chain is accepted with ``accept(request)``. Yields (request, plan, seconds, tokens committed) per step."""
     rng, costs = random.Random(seed), linear_costs()
     for request in range(count):
         controller.start()
-        context, fed = PROMPT, 0
-        while context < PROMPT + TOKENS:
-            plan = controller.plan(context=context, room=PROMPT + TOKENS - context)
+        start = context = prompt(request)
+        fed = 0
+        while context < start + TOKENS:
+            plan = controller.plan(context=context, room=start + TOKENS - context)
             draft = Draft.chain(list(range(plan.depth)), scores=[0.5] * plan.depth) if plan.depth else Draft.empty()
             if plan.depth and plan.trims:
                 draft, _ = controller.trim(draft, context, True)
@@ -117,7 +118,8 @@ def test_a_long_prompt_s_catching_up_holds_a_drafter_that_pays_off_for_less_long
         controller = Controller(6)
         ledger = controller.probes
         ledger.due = lambda: ledger.credit >= controller._catch_up_cost(PROMPT) + max(ledger.loss or 0.0, 0.0)
-        ledger.begin = lambda catch_up, room: ProbeLedger.begin(ledger, catch_up, 0)  # no room left: always charged
+        ledger.begin = lambda catch_up, room, opening: ProbeLedger.begin(ledger, catch_up, 0)  # no room left: always charged
+        ledger.opens = lambda catch_up, room, plain: False  # no probe opens a request by its own chances
         return controller
 
     def waits(rule) -> list[float]:
@@ -160,7 +162,7 @@ def share_lost_to_long_prompts(charge_catch_up: bool, count: int = 160) -> float
     """Random text over ``count`` long-prompt requests: the share of the time lost against plain decoding."""
     controller = Controller(6)
     if not charge_catch_up:
-        controller.probes.begin = lambda catch_up, room: ProbeLedger.begin(controller.probes, 0.0, room)
+        controller.probes.begin = lambda catch_up, room, opening: ProbeLedger.begin(controller.probes, 0.0, room, opening)
     total = tokens = 0.0
     for request, _, seconds, committed in requests(controller, count, lambda request: 0.0):
         if request >= 8:  # the first requests learn that drafting does not pay
@@ -213,3 +215,75 @@ def test_a_proposer_is_probed_after_the_ceiling_however_much_its_last_probe_lost
     # the first probe's catching up is not priced yet, so its loss counts for at most 2 plain steps; the second's is
     assert len(found) >= 3 and found[2] - found[1] <= controller_module.PROBE_CEILING + 10, found[:4]
     assert len(probes(float("inf"))) == 2
+
+
+def test_a_request_opens_with_a_probe_when_the_drafter_s_chances_repay_twice_its_risk():
+    """``opens``: q * gain * room > OPEN_K * (catch_up + (1 - q) * loss), q the share of recent requests that drafted
+    whose drafting won (over the prior), gain what such a request won per token. Nothing opens before a request won."""
+    ledger = ProbeLedger()
+    assert not ledger.opens(0.0, 1000, plain=1.0)  # no request won yet: no gain to promise
+    ledger.gain, ledger.suited, ledger.loss = 0.5, [1.75, 2.5], 1.0  # q = (1.75 + 0.25) / (2.5 + 0.5) = 2/3
+    # 2/3 * 0.5 * room against 2 * (2 + 1/3): opens from room 15 on
+    assert ledger.opens(2.0, 15, plain=1.0) and not ledger.opens(2.0, 13, plain=1.0)
+    ledger.suited = [0.0, 3.0]  # every recent request lost: q = 0.25 / 3.5 (the prior's): 2.1 against 2 * (1 + 0.93)
+    assert not ledger.opens(1.0, 60, plain=1.0) and ledger.opens(1.0, 120, plain=1.0)
+
+
+def opening(controller: Controller, accept, prompt, count: int, first: int, seed: int) -> tuple[set[int], float]:
+    """(requests from ``first`` on whose probe opened them, the share of their time lost against plain decoding)."""
+    opened, total, tokens = set(), 0.0, 0.0
+    for request, plan, seconds, committed in requests(controller, count, accept, seed=seed, prompt=prompt):
+        if request >= first:
+            total, tokens = total + seconds, tokens + committed
+            if plan.probe and not plan.whole and controller.probes._opening:
+                opened.add(request)
+    return opened, (total - tokens) / total
+
+
+def test_after_long_prompts_of_random_text_a_predictable_request_opens_drafting_again():
+    """A drafter that paid on 4 short-prompt requests, then 16 of random text after 960-token prompts (a catching up
+    of 5.3 plain steps), then short predictable ones again: over 12 seeds the plain steps until it drafts again have a
+    median of at most 200 (118 here, two requests), a new request being new text that a probe may open when its
+    chances repay it. Negative control: without opening probes, the credit's debt from the long prompts' probes holds
+    it plain for a median of at least 400 (506 here)."""
+
+    def back_on(controller: Controller, seed: int) -> float:
+        plain = 0
+        for request, plan, _, _ in requests(
+            controller, 36, lambda r: 0.0 if 4 <= r < 20 else 0.9, seed=seed, prompt=lambda r: 960 if 4 <= r < 20 else 128
+        ):
+            if request >= 20:
+                if plan.depth and not plan.probe:
+                    return plain
+                plain += plan.depth == 0
+        return float("inf")
+
+    def without_opening() -> Controller:
+        controller = Controller(6)
+        controller.probes.opens = lambda catch_up, room, plain: False
+        return controller
+
+    assert statistics.median(back_on(Controller(6), seed) for seed in range(12)) <= 200
+    assert statistics.median(back_on(without_opening(), seed) for seed in range(12)) >= 400
+
+
+def test_opening_probes_stop_where_the_text_stopped_suiting_the_drafter():
+    """A drafter that paid on 4 requests, then 48 of random text (128-token prompts): at most 12 of them open with a
+    probe (8-9 here), none of the last 24, and the 48 lose at most 3% of their time to the drafter (2.3-2.5% here;
+    1.9-2.0% without opening probes: the first requests' drafting, and the 1% credit's probes). Negative control: a
+    chance of suiting that never learns from the requests that lost opens nearly every one (>= 40)."""
+    accept, prompt = (lambda r: 0.9 if r < 4 else 0.0), (lambda r: 128)
+    for seed in range(3):
+        opened, lost = opening(Controller(6), accept, prompt, 52, 4, seed)
+        assert len(opened) <= 12 and max(opened) < 28 and lost <= 0.03, (sorted(opened), lost)
+    controller = Controller(6)
+    ledger, end = controller.probes, controller.probes.request_end
+
+    def never_learns() -> None:
+        frozen = ledger.suited if ledger.gain is not None else None
+        end()
+        if frozen is not None:
+            ledger.suited = frozen
+
+    ledger.request_end = never_learns
+    assert len(opening(controller, accept, prompt, 52, 4, 0)[0]) >= 40
