@@ -157,7 +157,7 @@ class Controller:
         A probe cut short by the last request's end is settled on its first step (a second would catch up a new prompt).
         """
         self.missed = None
-        self.probes.request_end()
+        self.probes.request_end(self.plain_seconds)
         if self.probe_pending:
             self.probe_pending, self._estimates = False, None
             self.probes.cut(self.plain_seconds)

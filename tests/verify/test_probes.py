@@ -279,9 +279,9 @@ def test_opening_probes_stop_where_the_text_stopped_suiting_the_drafter():
     controller = Controller(6)
     ledger, end = controller.probes, controller.probes.request_end
 
-    def never_learns() -> None:
+    def never_learns(plain) -> None:
         frozen = ledger.suited if ledger.gain is not None else None
-        end()
+        end(plain)
         if frozen is not None:
             ledger.suited = frozen
 
