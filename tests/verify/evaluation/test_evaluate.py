@@ -33,6 +33,19 @@ def domain_files(tmp_path):
     return {"code": str(code), "chat": str(chat), "prose": str(prose)}
 
 
+def ngram_on_code(target, domain_files, out, **fields) -> EvalConfig:
+    """A small config: the code domain, one ``ngram`` row, no peers (``fields`` on top)."""
+    base = {"num_prompts": 2, "prompt_tokens": 24, "max_new_tokens": 8}
+    return EvalConfig(
+        target=str(target),
+        domains={"code": domain_files["code"]},
+        proposers={"ngram": {"type": "ngram", "min_n": 1}},
+        peers=False,
+        output_dir=str(out),
+        **(base | fields),
+    )
+
+
 def test_eval_writes_every_output_with_the_right_fields(tiny_target_dir, domain_files, tmp_path):
     config = EvalConfig(
         target=str(tiny_target_dir),
@@ -202,17 +215,7 @@ def test_sub_domains_keep_their_order_and_their_names(tiny_target_dir, tmp_path)
 def test_the_table_shows_what_the_controller_chose_and_adaptive_false_keeps_the_fixed_config(tiny_target_dir, domain_files, tmp_path):
     rows = {}
     for adaptive in (True, False):
-        config = EvalConfig(
-            target=str(tiny_target_dir),
-            domains={"code": domain_files["code"]},
-            proposers={"ngram": {"type": "ngram", "min_n": 1}},
-            peers=False,
-            num_prompts=2,
-            prompt_tokens=24,
-            max_new_tokens=12,
-            output_dir=str(tmp_path / f"out_{adaptive}"),
-            adaptive=adaptive,
-        )
+        config = ngram_on_code(tiny_target_dir, domain_files, tmp_path / f"out_{adaptive}", max_new_tokens=12, adaptive=adaptive)
         summary = evaluate(config, progress=False)
         rows[adaptive] = {r["method"]: r for r in summary["rows"]}
         assert "| nodes/step | plain steps |" in (tmp_path / f"out_{adaptive}" / "table.md").read_text()
@@ -310,17 +313,7 @@ def test_plain_decoding_runs_each_prompt_plain_repeats_times_and_its_speed_is_th
         return {**methods, "plain": timed}, decoders
 
     monkeypatch.setattr(evaluate_module, "build_methods", logged)
-    config = EvalConfig(
-        target=str(tiny_target_dir),
-        domains={"code": domain_files["code"]},
-        proposers={"ngram": {"type": "ngram", "min_n": 1}},
-        peers=False,
-        num_prompts=3,
-        prompt_tokens=24,
-        max_new_tokens=8,
-        output_dir=str(tmp_path / "out"),
-        plain_repeats=repeats,
-    )
+    config = ngram_on_code(tiny_target_dir, domain_files, tmp_path / "out", num_prompts=3, plain_repeats=repeats)
     evaluate(config, progress=False)
     assert [ran[index] for index in range(3)] == [repeats + (index == 0) for index in range(3)]  # prompt 0: the warm-up too
     records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
