@@ -259,20 +259,20 @@ class Controller:
         if best == 0:
             self.plain_run += 1
             self.probes.accrue(self.plain_seconds)
-            due = self.probes.due() or self.plain_run >= PROBE_CEILING  # the ceiling: whatever the estimates say
-            opens = drafting and not due and self.missed is None and self.probes.opens(catch_up, room, self.plain_seconds)  # new text
-            if drafting and self.plain_run >= self.probe_every and (due or opens):
-                self.plain_run, self.probe_pending = 0, True
-                self.probes.begin(catch_up, room, opening=opens)
-                return self._plan(drafting, shape, probe=True)
+            if drafting and self.plain_run >= self.probe_every:  # the cheap test first: most plain steps end here
+                due = self.probes.due() or self.plain_run >= PROBE_CEILING  # the ceiling: whatever the estimates say
+                opens = not due and self.missed is None and self.probes.opens(catch_up, room, self.plain_seconds)  # new text
+                if due or opens:
+                    self.plain_run, self.probe_pending = 0, True
+                    self.probes.begin(catch_up, room, opening=opens)
+                    return self._plan(drafting, shape, probe=True)
             return self.PLAIN
         self.plain_run = 0
         self.drafted_steps += 1
         if self.drafted_steps % self.explore_every:
             return self._plan(best, shape)
         if len(self.shapes) > 1 and self.drafted_steps // self.explore_every % 2:
-            other = 1 - shape
-            return self._plan(self._best_depth(other, deepest)[0] or best, other, probe=True, whole=True)
+            return self._plan(self._best_depth(1 - shape, deepest)[0] or best, 1 - shape, probe=True, whole=True)
         return self._plan(min(best + 1, deepest), shape, probe=True, whole=True)
 
     # -- 1. trim -------------------------------------------------------------------------

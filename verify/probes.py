@@ -66,7 +66,8 @@ class ProbeLedger:
 
         A new request is new text: what the drafter did on the last ones is evidence about it, not
         its acceptance. ``q`` is the share of the recent requests that drafted whose drafting won
-        (``SUITED_PRIOR`` keeps it above ~0.07), ``gain`` what such a request's steady drafted
+        ``SUITED_MARGIN`` of their plain time (``SUITED_PRIOR`` keeps it above ~0.07), ``gain``
+        what such a request's steady drafted
         steps (no catching up in them) won per token of it, ``room`` the tokens left: the probe
         wins that much if the text suits the drafter, costs its catching up whatever, and its
         loss (the last probes' median; a plain step while unknown) if not. A drafter that never
@@ -79,7 +80,7 @@ class ProbeLedger:
         return q * self.gain * room > OPEN_K * (catch_up + (1.0 - q) * max(self.loss if self.loss is not None else plain, 0.0))
 
     def chance(self) -> float:
-        """``q``: the share of the recent requests that drafted whose drafting won, over ``SUITED_PRIOR``."""
+        """``q``: the share of the recent requests that drafted whose drafting won ``SUITED_MARGIN`` of their time, with the prior."""
         (won, drafted), (prior_won, prior) = self.suited, SUITED_PRIOR
         return (won + prior_won) / (drafted + prior)
 

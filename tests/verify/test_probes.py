@@ -219,7 +219,8 @@ def test_a_proposer_is_probed_after_the_ceiling_however_much_its_last_probe_lost
 
 def test_a_request_opens_with_a_probe_when_the_drafter_s_chances_repay_twice_its_risk():
     """``opens``: q * gain * room > OPEN_K * (catch_up + (1 - q) * loss), q the share of recent requests that drafted
-    whose drafting won (over the prior), gain what such a request won per token. Nothing opens before a request won."""
+    whose drafting won 5% of their plain time (over the prior), gain what such a request won per token. Nothing opens
+    before a request won."""
     ledger = ProbeLedger()
     assert not ledger.opens(0.0, 1000, plain=1.0)  # no request won yet: no gain to promise
     ledger.gain, ledger.suited, ledger.loss = 0.5, [1.75, 2.5], 1.0  # q = (1.75 + 0.25) / (2.5 + 0.5) = 2/3
