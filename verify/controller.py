@@ -35,7 +35,10 @@ itself while it decodes and decides per step:
    ``verify.probes.PROBE_LOSS_CAP`` plain steps, and the next probe is priced at the median
    of the last few, so probes follow each other at most some 400 plain steps apart (plus
    their catching up), whatever the pauses; one step moves its depth's averages by a
-   bounded amount, and no depth is priced above a deeper one.
+   bounded amount, and no depth is priced above a deeper one. Costs are learnt at one
+   speed of the machine (``MachineSpeed``: every step's rest against its plan's learnt
+   cost), so a plain step measured in a slow request does not price the drafted steps of
+   a fast one; a plain step's price leaves out the estimates recomputed in its plan.
 
 A proposer that stopped paying is asked again now and then (a probe: two drafted steps in a
 row, as often as a credit of 1% of the plain steps' time covers what probes lose, so they
@@ -62,14 +65,10 @@ from dataclasses import dataclass
 from draftsmith.proposers.core.tree import keep_nodes
 from draftsmith.proposers.core.types import Draft, StopRule, VerifyResult
 
-from .estimates import RobustLine, RowsCurve, ShapeEstimates, average, first_children_chain
-from .probes import ProbeLedger
+from .calibration import CONFIDENCE_EDGES, DEPTH_BUCKETS, SLOTS, Calibration, bin_of
+from .estimates import MachineSpeed, RobustLine, RowsCurve, ShapeEstimates, average, first_children_chain
+from .probes import AFTERMATH, ProbeLedger
 
-CONFIDENCE_EDGES = (0.05, 0.15, 0.3, 0.5, 0.7, 0.85, 0.95)  # calibration bins of a node's own draft probability
-CONFIDENCE_MIDS = (0.025, 0.1, 0.225, 0.4, 0.6, 0.775, 0.9, 0.975)  # each bin's prior acceptance
-DEPTH_BUCKETS = 4  # calibration by depth 1, 2, 3 and 4+
-SLOTS = len(CONFIDENCE_MIDS) + 1  # a bin per confidence range, and one for a node without a score
-PRIORS = (0.5, *CONFIDENCE_MIDS) * DEPTH_BUCKETS  # each calibration bin's prior chance, bin = (depth bucket - 1) * SLOTS + slot
 DEFAULT_DEPTH = 8  # planned depths for a proposer that states no limit
 REFRESH_EVERY = 8  # drafted steps between recomputations of the plan's estimates (they move slowly)
 SURPRISE = 3.0  # a drafted step dearer than this many times its estimate has the estimates recomputed at once
@@ -128,10 +127,11 @@ class Controller:
             if max_width > 1
             else [ShapeEstimates(None, self.max_depth)]
         )
-        self.plain_seconds: float | None = None  # a plain step, running average
+        self.plain_seconds: float | None = None  # a plain step, running average (every cost at the learnt speed: ``speed``)
+        self.speed, self._refreshed = MachineSpeed(), 0.0  # how slow the machine runs now; this step's recomputation (``plan``)
         self.draft_scale = 1.0  # what every shape's and depth's drafting cost is multiplied by (``learn_draft_cost``)
         self.rows = RowsCurve()  # what a drafted step's verifying adds to a plain step's cost, against the nodes verified
-        self.bins: dict[str, list[list[float]]] = {}  # source -> per calibration bin [accepted, rejected], decayed
+        self.calibration = Calibration()  # per source, depth and confidence: a node's chance (``verify.calibration``)
         self.plain_run, self.drafted_steps, self.probe_pending = 0, 0, False
         self.probes = ProbeLedger()  # what probes may lose, and what they lost
         self.since_plain, self.plain_samples = PLAIN_SAMPLES, 0  # the first step is a plain one
@@ -141,7 +141,6 @@ class Controller:
         self.seconds = 0.0  # the controller's own work
         self._estimates: list[tuple[list[float], list[float | None]]] | None = None  # per shape (shares, plan costs), now and then
         self._decisions: dict[int, tuple[int, int, int]] = {}  # room -> (plan depth, shape, best drafting depth), with the estimates
-        self._chances: dict[str, list[float]] = {}  # source -> each bin's chance, until its bins are next updated
         self.observed = 0  # drafted steps observed
         self._pending: list[tuple] = []  # drafted steps observed and not learnt from yet (``_learn_pending``)
         self._estimated_plain = 0.0  # the plain step's cost the estimates were computed with
@@ -167,13 +166,14 @@ class Controller:
     def plan(self, context: int, room: int) -> Plan:
         """The depth and shape to draft with ``room`` depths left (depth 0: a plain step); ``context`` is the committed length."""
         tick = time.perf_counter()
-        deepest = min(self.max_depth, room)
+        deepest, self._refreshed = min(self.max_depth, room), 0.0
         if self._estimates is None:
             if self._pending:
                 self._learn_pending()
             self._estimates = [shape.estimate(self.drafted_steps, self.plain_seconds, self.rows, self.draft_scale) for shape in self.shapes]
             self._estimated_plain = self.plain_seconds or 0.0
             self._decisions, self._headroom = {}, float("inf")
+            self._refreshed = time.perf_counter() - tick
         decision = self._decisions.get(deepest)
         if decision is None:
             decision = self._decisions[deepest] = self._decide(deepest)
@@ -290,7 +290,7 @@ class Controller:
         tick = time.perf_counter()
         extra, floor = self.rows.table(n)  # what k nodes add to a step; the least a k-th or later node adds
         scores, source = draft.scores, draft.source or ""
-        chances = self._chances.get(source) or self._chance_table(source)
+        chances = self.calibration.chances(source)
         value: list[float] = []
         push = value.append
         for parent, depth, score in zip(draft.parent_list, draft.depth_list, [None] * n if scores is None else scores, strict=True):
@@ -322,22 +322,14 @@ class Controller:
         if self._stop is not None or plain is None or not self.rows.ready:
             return self._stop  # kept until a plain step's cost or the rows curve moves (the chances it reads live)
         tick = time.perf_counter()  # the controller's own work (its values, computed while drafting, are the drafter's)
-        chances = self._chances.get("") or self._chance_table("")
+        chances = self.calibration.chances("")
 
         def chance(depth: int, score: float | None) -> float:  # as the trim reads it
-            index = (depth - 1 if depth < DEPTH_BUCKETS else DEPTH_BUCKETS - 1) * SLOTS
-            return chances[index if score is None else index + 1 + bisect_right(CONFIDENCE_EDGES, score)]
+            return chances[bin_of(depth, score)]
 
         self._stop = StopRule(chance, (1.0 - 1e-9) * self.rows.least_margin() / plain)
         self.seconds += time.perf_counter() - tick
         return self._stop
-
-    def _chance_table(self, source: str) -> list[float]:
-        """Each calibration bin's chance that its node is accepted given its parent was: its counts over its confidence's prior."""
-        bins = self.bins.get(source)
-        table = list(PRIORS) if bins is None else [(a + 2.0 * prior) / (a + b + 2.0) for (a, b), prior in zip(bins, PRIORS, strict=True)]
-        self._chances[source] = table
-        return table
 
     # -- 2. observe ----------------------------------------------------------------------
 
@@ -353,9 +345,16 @@ class Controller:
                 temperature > 0 the children of a node are tested in order up to the accepted one.
         """
         tick = time.perf_counter()
+        speed, plain = self.speed.factor, self.plain_seconds
+        if plan.depth == 0:  # recomputing the estimates after drafted steps is drafting's work, not a plain step's
+            step_seconds -= self._refreshed
+        step_seconds, draft_seconds = step_seconds / speed, draft_seconds / speed  # at the speed the costs were learnt at
         rest = max(step_seconds - draft_seconds, 1e-6)
-        if self.plain_seconds is not None:  # a pause of the machine is not a cost: n + 1 rows take at most n + 1 plain steps
-            rest = min(rest, PAUSE_BOUND * self.plain_seconds * (draft.num_nodes + 1))
+        if plain is not None:  # a pause of the machine is not a cost: n + 1 rows take at most n + 1 plain steps
+            verify = self.shapes[plan.shape].verify_seconds[plan.depth] if plan.depth else 0.0
+            if plan.depth or self.missed is None or self.missed >= AFTERMATH:  # what a draft slows after it is drafting's cost
+                self.speed.update(rest * speed, None if verify is None else plain + verify)
+            rest = min(rest, PAUSE_BOUND * plain * (draft.num_nodes + 1))
         if plan.depth == 0:  # the estimates follow a plain step's cost only when it has moved (most steps may be plain ones)
             self.plain_seconds, self._stop = average(self.plain_seconds, rest), None
             if self._estimates is not None and (
@@ -408,25 +407,7 @@ class Controller:
                 length, reach = first_children_chain(parents, accepted)  # only the depths it held (a trim may cut it short)
                 self.shapes[0].learn_depths(min(length, plan.depth), None, reach, self.decay, now)
             if calibrate:
-                self._learn_bins(parents, scores, depths, source, accepted, greedy)
-
-    def _learn_bins(self, parents: list[int], scores, depths: list[int], source: str, accepted_nodes: list[int], greedy: bool) -> None:
-        bins = self.bins.get(source) or self.bins.setdefault(source, [[0.0, 0.0] for _ in PRIORS])
-        table = self._chances.get(source) or self._chance_table(source)  # kept up to date bin by bin below
-        accepted = set(accepted_nodes)
-        chosen = {} if greedy else {parents[node]: node for node in accepted_nodes}  # parent -> its accepted child (in order)
-        for node, parent in enumerate(parents):
-            if parent != -1 and parent not in accepted:
-                continue  # never tested: its parent was rejected
-            if parent in chosen and node > chosen[parent]:
-                continue  # tested in order: a later sibling of the accepted child was not reached
-            slot = 0 if scores is None else 1 + bisect_right(CONFIDENCE_EDGES, scores[node])
-            index = (min(depths[node], DEPTH_BUCKETS) - 1) * SLOTS + slot
-            counts = bins[index]
-            hit = node in accepted
-            counts[0] = 0.98 * counts[0] + hit
-            counts[1] = 0.98 * counts[1] + (not hit)
-            table[index] = (counts[0] + 2.0 * PRIORS[index]) / (counts[0] + counts[1] + 2.0)
+                self.calibration.learn(parents, scores, depths, source, accepted, greedy)
 
     # -- what it knows -------------------------------------------------------------------
 
@@ -436,15 +417,17 @@ class Controller:
         return [self.plain_steps] + [sum(shape.planned[d] for shape in self.shapes) for d in range(1, self.max_depth + 1)]
 
     def snapshot(self) -> dict:
-        """The current estimates, for stats and tables: costs (ms) and acceptance per depth, per shape."""
-        shapes = [shape.snapshot(self.plain_seconds, self.rows, self.draft_scale) for shape in self.shapes]  # as learnt so far
+        """The current estimates, for stats and tables: costs (ms, at the machine's speed now) and acceptance per depth, per shape."""
+        speed, ms = self.speed.factor, 1000 * self.speed.factor
+        shapes = [shape.snapshot(self.plain_seconds, self.rows, self.draft_scale, speed) for shape in self.shapes]  # as learnt so far
         return {
-            "plain_step_ms": None if self.plain_seconds is None else round(1000 * self.plain_seconds, 3),
-            "rows_ms": [[round(nodes, 2), round(1000 * extra, 3)] for nodes, extra in self.rows.points()],  # (nodes, ms they add)
+            "plain_step_ms": None if self.plain_seconds is None else round(ms * self.plain_seconds, 3),
+            "rows_ms": [[round(nodes, 2), round(ms * extra, 3)] for nodes, extra in self.rows.points()],  # (nodes, ms they add)
             "planned_by_depth": self.planned,
             "shapes": shapes,
-            "probe_credit_ms": round(1000 * self.probes.credit, 3),
-            "probe_loss_ms": None if self.probes.loss is None else round(1000 * self.probes.loss, 3),
+            "speed": round(speed, 3),  # how much slower than the costs were learnt at the machine runs now (``MachineSpeed``)
+            "probe_credit_ms": round(ms * self.probes.credit, 3),
+            "probe_loss_ms": None if self.probes.loss is None else round(ms * self.probes.loss, 3),
             "requests_suited": round(self.probes.chance(), 3),  # the chance a request suits the drafter (an opening probe's)
-            "catch_up_ms_per_100": round(100 * 1000 * self.catch_up.line()[1], 4) if self.catch_up.count else None,
+            "catch_up_ms_per_100": round(100 * ms * self.catch_up.line()[1], 4) if self.catch_up.count else None,
         }

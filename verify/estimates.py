@@ -20,6 +20,8 @@ STALE = 0.97  # per drafted step, what a depth's counts keep while that depth is
 AVERAGE = 0.1  # the weight of a new measurement in a running cost average (a window of ~10 steps)
 _STALE_POWERS = tuple(STALE**gap for gap in range(256))  # STALE ** gap for the usual gaps, looked up rather than raised
 DRAFT_AVERAGE = 0.25  # the weight of a drafting measurement in the scale every depth's drafting cost shares
+SPEED_AVERAGE = 0.25  # the weight of a step's ratio to its expected cost in the machine's speed (a window of ~4 steps)
+SPEED_BOUND = 1.5  # one step moves the speed as if it ran at most this many times faster or slower than expected
 
 
 ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # node counts: a bucket holds those up to its bound
@@ -152,6 +154,34 @@ class RowsCurve:
             return 0.0
         (x0, y0), (x1, y1) = points[-2], points[-1]
         return min(self.table(int(x1) + 2)[1][1], (y1 - y0) / (x1 - x0))
+
+
+class MachineSpeed:
+    """How slow the machine runs now against the costs the controller learnt: ``factor`` (1: as learnt).
+
+    On a shared machine the same plain step takes 3.0 ms in one request and 5.7 ms in the next.
+    A drafting controller measures a plain step seldom (one per 64 drafted steps) and a drafted
+    one seldom while it is off, so each side's cost was measured at another moment than the
+    other's, and a drift of the machine read as a change of drafting's cost: measured against
+    plain decoding beside it, the price of a plain step a drafting MTP head's controller held
+    ran 9-20% above the truth on the requests it drafted, and the requests its accounting said
+    drafting won by 4.3 s had won 1.1 s. Every step's rest (the target's part) is compared with
+    what its plan is expected to cost, the factor follows the ratio quickly (a geometric
+    average over ~4 steps, each ratio bounded: a pause is not a change of speed), and every cost
+    is learnt divided by it and used multiplied by it; the decisions, which compare costs with
+    costs, then compare them at one speed. The rest is measured on plain and drafted steps
+    alike, so the factor follows the machine whichever the controller plans; what the target's
+    rows truly add, against what it learnt, moves it too, until a plain step corrects them.
+    """
+
+    def __init__(self) -> None:
+        self.factor = 1.0
+
+    def update(self, seconds: float, expected: float | None) -> None:
+        """A step's rest took ``seconds`` where its plan's learnt cost is ``expected`` (None: nothing learnt yet)."""
+        if expected:
+            ratio = min(max(seconds / (self.factor * expected), 1.0 / SPEED_BOUND), SPEED_BOUND)
+            self.factor *= ratio**SPEED_AVERAGE
 
 
 class RobustLine:
@@ -334,13 +364,13 @@ class ShapeEstimates:
             extra = min(extra, known + max(known, plain))
         self.verify_seconds[depth] = average(known, extra)
 
-    def snapshot(self, plain: float | None, curve: RowsCurve, scale: float) -> dict:
-        """This shape's estimates in ms, and its acceptance per depth, for stats and tables."""
+    def snapshot(self, plain: float | None, curve: RowsCurve, scale: float, speed: float = 1.0) -> dict:
+        """This shape's estimates in ms (learnt costs times the machine's ``speed`` now), and its acceptance per depth."""
         costs = self.plan_costs(plain, curve, scale, [0.0] * len(self.reached))
         return {
             "width": self.width,
-            "step_ms_by_depth": [None if s is None else round(1000 * s, 3) for s in costs[1:]],
-            "draft_ms_by_depth": [round(1000 * s, 3) for s in self.draft_costs(scale)[1:]],
+            "step_ms_by_depth": [None if s is None else round(1000 * speed * s, 3) for s in costs[1:]],
+            "draft_ms_by_depth": [round(1000 * speed * s, 3) for s in self.draft_costs(scale)[1:]],
             "accept_share_by_depth": [round(a / r, 3) if r else None for a, r in zip(self.accepted[1:], self.reached[1:], strict=True)],
             "planned_by_depth": self.planned[1:],
         }
