@@ -351,10 +351,10 @@ class Controller:
         step_seconds, draft_seconds = step_seconds / speed, draft_seconds / speed  # at the speed the costs were learnt at
         rest = max(step_seconds - draft_seconds, 1e-6)
         if plain is not None:  # a pause of the machine is not a cost: n + 1 rows take at most n + 1 plain steps
-            verify = self.shapes[plan.shape].verify_seconds[plan.depth] if plan.depth else 0.0
+            nodes = draft.num_nodes  # what its rows add, as learnt (the rows curve's table: an empty draft's step is a plain one)
             if plan.depth or self.missed is None or self.missed >= AFTERMATH:  # what a draft slows after it is drafting's cost
-                self.speed.update(rest * speed, None if verify is None else plain + verify)
-            rest = min(rest, PAUSE_BOUND * plain * (draft.num_nodes + 1))
+                self.speed.update(rest * speed, plain + self.rows.table(nodes)[0][nodes] if not nodes or self.rows.points() else None)
+            rest = min(rest, PAUSE_BOUND * plain * (nodes + 1))
         if plan.depth == 0:  # the estimates follow a plain step's cost only when it has moved (most steps may be plain ones)
             self.plain_seconds, self._stop = average(self.plain_seconds, rest), None
             if self._estimates is not None and (
