@@ -6,7 +6,7 @@ Decodes a few demo prompts (by default code, prose and copy; 64 new tokens) with
 config and records every call the decoder makes to its controller (``start``, ``plan``,
 ``trim``, ``observe``, with their arguments: the drafts, the verification results, the
 timings). Then replays those calls on fresh controllers of this tree and of ``--baseline``
-(``verify/controller.py`` and ``verify/estimates.py`` as that revision has them), alternating,
+(``verify/controller.py`` and the modules beside it as that revision has them), alternating,
 and prints the median microseconds per step of each, their ratio, and whether both planned
 and trimmed alike. The replay times the controller alone (no model, no proposer), so the
 machine's noise in a decoding run is out of it; the decisions a replay makes are its own,
@@ -39,15 +39,15 @@ CALLS = ("start", "plan", "trim", "observe")
 
 
 def baseline_module(revision: str, folder: Path) -> ModuleType:
-    """``verify/controller.py`` at ``revision`` (with its ``estimates.py`` and ``probes.py``), importable beside this tree's."""
+    """``verify/controller.py`` at ``revision`` (and the modules beside it that it imports), importable beside this tree's."""
     package = folder / "baseline_verify"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    for name in ("controller.py", "estimates.py", "probes.py"):  # probes.py: since it was split out of controller.py
+    for name in ("controller.py", "estimates.py", "probes.py", "calibration.py"):  # the last two split out of controller.py since
         shown = subprocess.run(["git", "show", f"{revision}:verify/{name}"], capture_output=True, text=True)
         if shown.returncode == 0:
             (package / name).write_text(shown.stdout)
-        elif name != "probes.py":
+        elif name in ("controller.py", "estimates.py"):
             raise SystemExit(f"--baseline {revision}: no verify/{name} there ({shown.stderr.strip()})")
     sys.path.insert(0, str(folder))
     spec = importlib.util.spec_from_file_location("baseline_verify.controller", package / "controller.py")

@@ -83,6 +83,7 @@ class Clocked(Controller):
 
     def observe(self, plan, draft, result, context, draft_seconds, step_seconds, greedy):
         drafting, rest = self.costs(plan, draft)
+        self._refreshed = 0.0  # the clock's seconds hold no recomputation of the estimates (a plain step's price leaves it out)
         super().observe(plan, draft, result, context, drafting, drafting + rest, greedy)
 
 

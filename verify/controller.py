@@ -36,9 +36,10 @@ itself while it decodes and decides per step:
    of the last few, so probes follow each other at most some 400 plain steps apart (plus
    their catching up), whatever the pauses; one step moves its depth's averages by a
    bounded amount, and no depth is priced above a deeper one. Costs are learnt at one
-   speed of the machine (``MachineSpeed``: every step's rest against its plan's learnt
-   cost), so a plain step measured in a slow request does not price the drafted steps of
-   a fast one; a plain step's price leaves out the estimates recomputed in its plan.
+   speed of the machine (``MachineSpeed``: every step's rest against a plain step's learnt
+   cost and its rows'), so a plain step measured in a slow request does not price the
+   drafted steps of a fast one; a plain step's price leaves out the estimates recomputed
+   in its plan.
 
 A proposer that stopped paying is asked again now and then (a probe: two drafted steps in a
 row, as often as a credit of 1% of the plain steps' time covers what probes lose, so they
