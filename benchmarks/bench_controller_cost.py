@@ -10,7 +10,9 @@ timings). Then replays those calls on fresh controllers of this tree and of ``--
 and prints the median microseconds per step of each, their ratio, and whether both planned
 and trimmed alike. The replay times the controller alone (no model, no proposer), so the
 machine's noise in a decoding run is out of it; the decisions a replay makes are its own,
-while the drafts and outcomes it observes are the recording's.
+while the drafts and outcomes it observes are the recording's. A plain step's price leaves
+out the estimates' recomputation as the replay times it, so two replays of the same code may
+plan apart now and then (MTP: 1 of 3 runs against its own revision).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def baseline_module(revision: str, folder: Path) -> ModuleType:
     package = folder / "baseline_verify"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    for name in ("controller.py", "estimates.py", "probes.py", "calibration.py"):  # the last two split out of controller.py since
+    for name in ("controller.py", "estimates.py", "probes.py", "calibration.py"):  # probes.py, calibration.py: split out later
         shown = subprocess.run(["git", "show", f"{revision}:verify/{name}"], capture_output=True, text=True)
         if shown.returncode == 0:
             (package / name).write_text(shown.stdout)

@@ -53,8 +53,7 @@ class Calibration:
                 continue  # never tested: its parent was rejected
             if parent in chosen and node > chosen[parent]:
                 continue  # tested in order: a later sibling of the accepted child was not reached
-            slot = 0 if scores is None else 1 + bisect_right(CONFIDENCE_EDGES, scores[node])
-            index = (min(depths[node], DEPTH_BUCKETS) - 1) * SLOTS + slot
+            index = bin_of(depths[node], None if scores is None else scores[node])
             counts = bins[index]
             hit = node in accepted
             counts[0] = KEEP * counts[0] + hit

@@ -295,7 +295,7 @@ class Controller:
         value: list[float] = []
         push = value.append
         for parent, depth, score in zip(draft.parent_list, draft.depth_list, [None] * n if scores is None else scores, strict=True):
-            index = (depth - 1 if depth < DEPTH_BUCKETS else DEPTH_BUCKETS - 1) * SLOTS  # the depth's bins; slot 0: no score
+            index = (depth - 1 if depth < DEPTH_BUCKETS else DEPTH_BUCKETS - 1) * SLOTS  # ``bin_of``, inline: the trim's hot loop
             chance = chances[index if score is None else index + 1 + bisect_right(CONFIDENCE_EDGES, score)]
             push(chance * value[parent] if parent >= 0 else chance)
         order = range(n) if draft.is_chain() else sorted(range(n), key=value.__getitem__, reverse=True)  # best first, stable

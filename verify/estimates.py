@@ -166,9 +166,9 @@ class MachineSpeed:
     plain decoding beside it, the price of a plain step a drafting MTP head's controller held
     ran 9-20% above the truth on the requests it drafted, and the requests its accounting said
     drafting won by 4.3 s had won 1.1 s. Every step's rest (the target's part) is compared with
-    what it is expected to cost (a plain step and its nodes' rows), the factor follows the ratio quickly (a geometric
-    average over ~4 steps, each ratio bounded: a pause is not a change of speed), and every cost
-    is learnt divided by it and used multiplied by it; the decisions, which compare costs with
+    what it is expected to cost (a plain step and its nodes' rows), the factor follows the
+    ratio quickly (a geometric average over ~4 steps, each ratio bounded: a pause is not a
+    change of speed), and every cost is learnt divided by it and used multiplied by it; the decisions, which compare costs with
     costs, then compare them at one speed. The rest is measured on plain and drafted steps
     alike, so the factor follows the machine whichever the controller plans; what the target's
     rows truly add, against what it learnt, moves it too, until a plain step corrects them.
@@ -179,7 +179,7 @@ class MachineSpeed:
         self.factor = 1.0
 
     def update(self, seconds: float, expected: float | None) -> None:
-        """A step's rest took ``seconds`` where its plan's learnt cost is ``expected`` (None: nothing learnt yet)."""
+        """A step's rest took ``seconds`` where its learnt cost is ``expected`` (None: nothing learnt yet)."""
         if expected:
             ratio = min(max(seconds / (self.factor * expected), 1.0 / SPEED_BOUND), SPEED_BOUND)
             self.factor *= ratio**SPEED_AVERAGE
