@@ -32,7 +32,7 @@ itself while it decodes and decides per step:
    The averages follow the context as it grows. A pause of the machine is not a cost: a
    step's rest counts as at most ``PAUSE_BOUND`` plain steps per verified row, one probe's
    loss (with what it slows the plain steps after it) as at most
-   ``verify.probes.PROBE_LOSS_CAP`` plain steps, and the next probe is priced at the median
+   ``verify.probes.PROBE_LOSS_CAP`` steps (a plain one and its drafting as priced), and the next probe is priced at the median
    of the last few, so probes follow each other at most some 400 plain steps apart (plus
    their catching up), whatever the pauses; one step moves its depth's averages by a
    bounded amount, and no depth is priced above a deeper one. Costs are learnt at one
@@ -265,7 +265,7 @@ class Controller:
                 opens = not due and self.missed is None and self.probes.opens(catch_up, room, self.plain_seconds)  # new text
                 if due or opens:
                     self.plain_run, self.probe_pending = 0, True
-                    self.probes.begin(catch_up, room, opening=opens)
+                    self.probes.begin(catch_up, room, opens, self.shapes[shape].draft_costs(self.draft_scale)[drafting])
                     return self._plan(drafting, shape, probe=True)
             return self.PLAIN
         self.plain_run = 0

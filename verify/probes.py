@@ -28,7 +28,7 @@ import statistics
 from collections import deque
 
 PROBE_BUDGET = 0.01  # the share of the plain steps' time that probes may lose, over what they win back
-PROBE_LOSS_CAP = 2.0  # plain steps one probe's loss beyond its catching up counts for at most (a pause inside it is not a cost)
+PROBE_LOSS_CAP = 2.0  # steps (a plain one and its drafting as priced) one probe's loss beyond its catching up counts for at most
 PROBE_HISTORY = 5  # the probes whose median loss prices the next one
 AFTERMATH = 20  # the plain steps after a probe whose excess over a plain step's cost is charged to it
 OPEN_K = 2.0  # an opening probe must promise this many times what it risks (a request is one sample of its text)
@@ -45,6 +45,8 @@ class ProbeLedger:
         self.loss: float | None = None  # what a probe loses beyond its catching up (median; None: unknown)
         self._losses: deque[float] = deque(maxlen=PROBE_HISTORY)  # the last probes' losses, each capped
         self._probe = (0.0, 0, 0.0, 0)  # the probe under way: (its catching up as priced, tokens, seconds, room at its start)
+        self._drafting = 0.0  # one of its steps' drafting as priced (seconds): with a plain step, the cap's unit
+        self._cap = 0.0  # what the last probe's loss counts for at most, its aftermath included (seconds)
         self._opening = False  # whether it (or the last, until its aftermath is settled) opened a request (``opens``)
         self._last: tuple[int, float] | None = None  # its last step's (tokens, seconds), until it is settled
         self._after: list[float] | None = None  # after a probe: [plain steps seen, their excess seconds, a plain step then]
@@ -115,19 +117,26 @@ class ProbeLedger:
                 self.gain = gain if self.gain is None else keep * self.gain + SUITED_WEIGHT * gain
         self._request = [0, 0.0, 0.0, 0]
 
-    def begin(self, catch_up: float, room: int, opening: bool = False) -> None:
-        """A probe starts, its catching up priced at ``catch_up`` seconds, with ``room`` tokens left in its request."""
+    def begin(self, catch_up: float, room: int, opening: bool = False, drafting: float = 0.0) -> None:
+        """A probe starts, its catching up priced at ``catch_up`` seconds, with ``room`` tokens left in its request.
+
+        ``drafting``: what the estimates price one of its steps' drafting at (seconds).
+        """
         self._settle_aftermath()
-        self._probe, self._last, self._opening = (catch_up, 0, 0.0, room), None, opening
+        self._probe, self._last, self._opening, self._drafting = (catch_up, 0, 0.0, room), None, opening, drafting
 
     def step(self, tokens: int, seconds: float, plain: float | None, last: bool) -> None:
         """Count a probe's step (``tokens`` committed in ``seconds``); after its ``last``, settle what the pair lost.
 
         A pause of the machine inside a probe (tens of ms) is not what drafting costs: one
-        probe's loss counts for at most ``PROBE_LOSS_CAP`` plain steps, and the next probe is
+        probe's loss counts for at most ``PROBE_LOSS_CAP`` steps, and the next probe is
         priced at the median of the last few, so neither a pause nor a run of them holds
-        probing back for thousands of steps. A proposer that truly loses more is still asked
-        at most about ``PROBE_BUDGET`` of the time.
+        probing back for thousands of steps. The cap's step is a plain one with the probe's
+        drafting as priced: a drafter whose draft costs 1.5 plain steps loses some 4 plain
+        steps a probe (its aftermath included), and a cap of 2 plain steps had it probed
+        twice as often as the budget pays for (2.0% of the time lost where drafting never
+        pays, in simulation; DFlash's draft costs 1.2-1.5 plain steps on this CPU). A proposer that truly loses more is
+        still asked at most about ``PROBE_BUDGET`` of the time.
 
         Its catching up is charged unless what its second step won (it feeds nothing the plain
         steps committed), per token, repays it over the tokens left in the request: drafting
@@ -151,7 +160,8 @@ class ProbeLedger:
         tokens, seconds = self._last
         self._last = None
         won = tokens * plain - seconds  # the last step's win: no catching up in a probe's second step
-        beyond = min(spent - total * plain - priced, PROBE_LOSS_CAP * plain)
+        self._cap = PROBE_LOSS_CAP * (plain + self._drafting)
+        beyond = min(spent - total * plain - priced, self._cap)
         lost = -won if won > 0 and won / tokens * (room - total) >= priced else priced + beyond
         if not self._opening:  # an opening probe paid its way by its own chances (``opens``), not from the credit
             self.credit = min(self.credit - lost, max(lost, plain))  # a win buys the next probe, not a hoard
@@ -173,15 +183,14 @@ class ProbeLedger:
         """Charge the last probe what the plain steps after it lost (or won: faster steps count too, so noise averages out).
 
         A probe's loss beyond its catching up, its steps' and its aftermath's together, still
-        counts for at most ``PROBE_LOSS_CAP`` plain steps (a pause among those plain steps is
-        not a cost either).
+        counts for at most the cap (``step``; a pause among those plain steps is not a cost either).
         """
         if self._after is None:
             return
         _, excess, plain = self._after
         self._after = None
         before = self._losses[-1]
-        after = max(min(before + excess, PROBE_LOSS_CAP * plain), before - PROBE_LOSS_CAP * plain)
+        after = max(min(before + excess, self._cap), before - PROBE_LOSS_CAP * plain)
         if not self._opening:
             self.credit = min(self.credit - (after - before), max(self.credit, plain))
         self._losses[-1] = after
