@@ -32,8 +32,8 @@ itself while it decodes and decides per step:
    The averages follow the context as it grows. A pause of the machine is not a cost: a
    step's rest counts as at most ``PAUSE_BOUND`` plain steps per verified row, one probe's
    loss (with what it slows the plain steps after it) as at most
-   ``verify.probes.PROBE_LOSS_CAP`` steps (a plain one and its drafting as priced), and the next probe is priced at the median
-   of the last few, so probes follow each other at most some 400 plain steps apart (plus
+   ``verify.probes.PROBE_LOSS_CAP`` steps (a plain one and its drafting as priced), and the
+   next probe is priced at the median of the last few, so probes follow each other at most some 400 plain steps apart (plus
    their catching up), whatever the pauses; one step moves its depth's averages by a
    bounded amount, and no depth is priced above a deeper one. Costs are learnt at one
    speed of the machine (``MachineSpeed``: every step's rest against a plain step's learnt

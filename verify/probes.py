@@ -135,8 +135,9 @@ class ProbeLedger:
         drafting as priced: a drafter whose draft costs 1.5 plain steps loses some 4 plain
         steps a probe (its aftermath included), and a cap of 2 plain steps had it probed
         twice as often as the budget pays for (2.0% of the time lost where drafting never
-        pays, in simulation; DFlash's draft costs 1.2-1.5 plain steps on this CPU). A proposer that truly loses more is
-        still asked at most about ``PROBE_BUDGET`` of the time.
+        pays, in simulation; 1.5% for a draft of 0.75 plain steps, as the demo's DFlash is
+        priced). A proposer that truly loses more is still asked at most about
+        ``PROBE_BUDGET`` of the time.
 
         Its catching up is charged unless what its second step won (it feeds nothing the plain
         steps committed), per token, repays it over the tokens left in the request: drafting
@@ -183,7 +184,8 @@ class ProbeLedger:
         """Charge the last probe what the plain steps after it lost (or won: faster steps count too, so noise averages out).
 
         A probe's loss beyond its catching up, its steps' and its aftermath's together, still
-        counts for at most the cap (``step``; a pause among those plain steps is not a cost either).
+        counts for at most the cap set when its steps were settled (``step``; a pause among
+        those plain steps is not a cost either).
         """
         if self._after is None:
             return
