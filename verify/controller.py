@@ -33,13 +33,13 @@ itself while it decodes and decides per step:
    step's rest counts as at most ``PAUSE_BOUND`` plain steps per verified row, one probe's
    loss (with what it slows the plain steps after it) as at most
    ``verify.probes.PROBE_LOSS_CAP`` steps (a plain one and its drafting as priced), and the
-   next probe is priced at the median of the last few, so probes follow each other at most some 400 plain steps apart (plus
-   their catching up), whatever the pauses; one step moves its depth's averages by a
-   bounded amount, and no depth is priced above a deeper one. Costs are learnt at one
-   speed of the machine (``MachineSpeed``: every step's rest against a plain step's learnt
-   cost and its rows'), so a plain step measured in a slow request does not price the
-   drafted steps of a fast one; a plain step's price leaves out the estimates recomputed
-   in its plan.
+   next probe is priced at the median of the last few, so probes follow each other at most
+   some 400 plain steps apart (plus their catching up; more where drafting costs more than a
+   plain step), whatever the pauses; one step moves its depth's averages by a bounded
+   amount, and no depth is priced above a deeper one. Costs are learnt at one speed of the
+   machine (``MachineSpeed``: every step's rest against a plain step's learnt cost and its
+   rows'), so a plain step measured in a slow request does not price the drafted steps of a
+   fast one; a plain step's price leaves out the estimates recomputed in its plan.
 
 A proposer that stopped paying is asked again now and then (a probe: two drafted steps in a
 row, as often as a credit of 1% of the plain steps' time covers what probes lose, so they
