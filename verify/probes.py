@@ -45,8 +45,7 @@ class ProbeLedger:
         self.loss: float | None = None  # what a probe loses beyond its catching up (median; None: unknown)
         self._losses: deque[float] = deque(maxlen=PROBE_HISTORY)  # the last probes' losses, each capped
         self._probe = (0.0, 0, 0.0, 0)  # the probe under way: (its catching up as priced, tokens, seconds, room at its start)
-        self._drafting = 0.0  # one of its steps' drafting as priced (seconds): with a plain step, the cap's unit
-        self._cap = 0.0  # what the last probe's loss counts for at most, its aftermath included (seconds)
+        self._drafting = 0.0  # one of its steps' drafting as priced (seconds): with a plain step, the cap's unit (``_cap``)
         self._opening = False  # whether it (or the last, until its aftermath is settled) opened a request (``opens``)
         self._last: tuple[int, float] | None = None  # its last step's (tokens, seconds), until it is settled
         self._after: list[float] | None = None  # after a probe: [plain steps seen, their excess seconds, a plain step then]
@@ -161,14 +160,21 @@ class ProbeLedger:
         tokens, seconds = self._last
         self._last = None
         won = tokens * plain - seconds  # the last step's win: no catching up in a probe's second step
-        self._cap = PROBE_LOSS_CAP * (plain + self._drafting)
-        beyond = min(spent - total * plain - priced, self._cap)
+        beyond = min(spent - total * plain - priced, self._cap(plain))
         lost = -won if won > 0 and won / tokens * (room - total) >= priced else priced + beyond
         if not self._opening:  # an opening probe paid its way by its own chances (``opens``), not from the credit
             self.credit = min(self.credit - lost, max(lost, plain))  # a win buys the next probe, not a hoard
         self._losses.append(beyond)
         self.loss = statistics.median(self._losses)
         self._after = [0, 0.0, plain]
+
+    def _cap(self, plain: float) -> float:
+        """What the last probe's loss beyond its catching up counts for at most, its aftermath included (``step``).
+
+        ``begin`` settles an aftermath before it sets the next probe's drafting, so this is the
+        probe's own until then.
+        """
+        return PROBE_LOSS_CAP * (plain + self._drafting)
 
     def plain_step(self, seconds: float) -> None:
         """A plain step took ``seconds`` (pause-bounded): within ``AFTERMATH`` of a probe, its excess is the probe's."""
@@ -184,15 +190,14 @@ class ProbeLedger:
         """Charge the last probe what the plain steps after it lost (or won: faster steps count too, so noise averages out).
 
         A probe's loss beyond its catching up, its steps' and its aftermath's together, still
-        counts for at most the cap set when its steps were settled (``step``; a pause among
-        those plain steps is not a cost either).
+        counts for at most the cap (``_cap``; a pause among those plain steps is not a cost either).
         """
         if self._after is None:
             return
         _, excess, plain = self._after
         self._after = None
         before = self._losses[-1]
-        after = max(min(before + excess, self._cap), before - PROBE_LOSS_CAP * plain)
+        after = max(min(before + excess, self._cap(plain)), before - PROBE_LOSS_CAP * plain)
         if not self._opening:
             self.credit = min(self.credit - (after - before), max(self.credit, plain))
         self._losses[-1] = after
