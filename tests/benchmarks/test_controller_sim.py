@@ -1,0 +1,45 @@
+"""The controller's policy on the simulated clock (``benchmarks/bench_controller_sim.py``): a regression guard without noise.
+
+A fresh controller over 8 requests of 64 tokens, 12 seeds: its rate over the best fixed config
+(plain decoding or a chain of 1-6), seed by seed. The bounds sit below what this revision
+measures (medians 0.96-0.99 at 40 seeds, ``benchmarks/results/controller.md``), so a change of
+policy that costs a few percent everywhere fails here before it reaches a noisy benchmark.
+Negative control: a controller that may draft one token at most (``Controller(1)``) is far
+below the bound where a chain of 3 or 6 wins.
+"""
+
+from __future__ import annotations
+
+import statistics
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks import bench_controller_sim as sim
+from draftsmith.verify.controller import Controller
+
+BOUNDS = {"eagle_code": 0.93, "easy": 0.94, "hard": 0.93, "useless": 0.97}  # the least median ratio per scenario
+
+
+@pytest.mark.parametrize("scenario", sorted(BOUNDS))
+def test_a_fresh_controller_is_near_the_best_fixed_config(scenario):
+    row = sim.compare(scenario, 8, 12, {"controller": sim.current})
+    assert row["controller"]["median"] >= BOUNDS[scenario], row
+
+
+def test_the_bound_fails_a_controller_that_drafts_one_token_at_most():
+    shallow = SimpleNamespace(Controller=lambda depth: Controller(1))
+    for scenario in ("eagle_code", "easy"):
+        row = sim.compare(scenario, 8, 12, {"shallow": shallow})
+        assert row["shallow"]["median"] < BOUNDS[scenario] - 0.05, row
+
+
+def test_the_fixed_configs_rank_as_their_expected_rates():
+    """The clock itself: with 0.9 a node a chain of 6 beats a chain of 1, which beats plain decoding; with nothing accepted plain wins."""
+    easy = sim.SCENARIOS["easy"]
+
+    def rate(depth: int) -> float:
+        return statistics.mean(sim.decode(easy, seed, 2, depth) for seed in range(4))
+
+    assert rate(6) > rate(1) > rate(0)
+    assert sim.compare("useless", 2, 4, {})["best"] == "plain"
