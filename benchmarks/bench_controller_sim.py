@@ -66,12 +66,12 @@ def decode(scenario, seed: int, requests: int, fixed: int | None = None, module=
             controller.start()
         context, done = PROMPT, 0
         while done < TOKENS:
-            room = TOKENS - done
-            if controller is not None:
-                plan = controller.plan(context, room)
+            room = TOKENS - done - 1  # the deepest draft the request leaves room for (the decoder's ``max_depth``)
+            if controller is not None:  # as the decoder asks: no plan where no draft fits
+                plan = controller.plan(context, room) if room >= 1 else module.Controller.PLAIN
                 depth = plan.depth
             else:
-                depth = min(fixed, room - 1)
+                depth = max(min(fixed, room), 0)
             draft = Draft.chain(list(range(depth)), scores=[0.5] * depth) if depth else Draft.empty()
             if controller is not None and depth and plan.trims:
                 draft, _ = controller.trim(draft, context, True)

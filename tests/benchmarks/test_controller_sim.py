@@ -28,7 +28,11 @@ def test_a_fresh_controller_is_near_the_best_fixed_config(scenario):
 
 
 def test_the_bound_fails_a_controller_that_drafts_one_token_at_most():
-    shallow = SimpleNamespace(Controller=lambda depth: Controller(1))
+    class Shallow(Controller):
+        def __init__(self, max_depth):
+            super().__init__(1)
+
+    shallow = SimpleNamespace(Controller=Shallow)
     for scenario in ("eagle_code", "easy"):
         row = sim.compare(scenario, 8, 12, {"shallow": shallow})
         assert row["shallow"]["median"] < BOUNDS[scenario] - 0.05, row
