@@ -169,9 +169,10 @@ class MachineSpeed:
     what it is expected to cost (a plain step and its nodes' rows), the factor follows the
     ratio quickly (a geometric average over ~4 steps, each ratio bounded: a pause is not a
     change of speed), and every cost is learnt divided by it and used multiplied by it; the
-    decisions, which compare costs with costs, then compare them at one speed. The rest is measured on plain and drafted steps
-    alike, so the factor follows the machine whichever the controller plans; what the target's
-    rows truly add, against what it learnt, moves it too, until a plain step corrects them.
+    decisions, which compare costs with costs, then compare them at one speed. The rest is
+    measured on plain and drafted steps alike, so the factor follows the machine whichever the
+    controller plans; what the target's rows truly add, against what it learnt, moves it too,
+    until a plain step corrects them.
     Only ratios of costs decide: the factor and the costs learnt under it may drift together.
     """
 
