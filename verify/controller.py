@@ -74,8 +74,7 @@ DEFAULT_DEPTH = 8  # planned depths for a proposer that states no limit
 REFRESH_EVERY = 8  # drafted steps between recomputations of the plan's estimates (they move slowly)
 SURPRISE = 3.0  # a drafted step dearer than this many times its estimate has the estimates recomputed at once
 PLAIN_DRIFT = 0.02  # how far (relative) a plain step's cost moves before the estimates are recomputed for it, at least
-PLAIN_EVERY = 64  # drafted steps between plain steps that keep the plain cost measured
-PLAIN_SAMPLES = 4  # until a plain step has been measured this often, every fourth step is one
+PLAIN_EVERY = 64  # drafted steps between plain steps that keep the plain cost measured (the first step is one)
 PAUSE_BOUND = 2.0  # a step's rest beyond this many plain steps per verified row is counted as this many (a pause, not a cost)
 PROBE_CEILING = 1000  # plain steps in a row after which a proposer is probed whatever its estimated catching up costs
 MARGIN = 0.05  # drafting must promise this much more than plain decoding: a tie is noise, and drafting's variance is not free
@@ -135,7 +134,7 @@ class Controller:
         self.calibration = Calibration()  # per source, depth and confidence: a node's chance (``verify.calibration``)
         self.plain_run, self.drafted_steps, self.probe_pending = 0, 0, False
         self.probes = ProbeLedger()  # what probes may lose, and what they lost
-        self.since_plain, self.plain_samples = PLAIN_SAMPLES, 0  # the first step is a plain one
+        self.since_plain = PLAIN_EVERY  # drafted steps since the last plain step: the first step is a plain one
         self.missed: int | None = None  # positions committed by plain steps since the last draft (None: the whole context)
         self.catch_up = RobustLine()  # what a draft costs beyond its drafting against the positions it catches up
         self.plain_steps = 0  # steps planned plain, over the controller's life
@@ -255,8 +254,8 @@ class Controller:
         if self.probe_pending:  # a probe is two drafted steps in a row: the second one's drafting is no catch-up, so it is measured
             self.probe_pending = False
             return self._plan(drafting, shape, probe=True)
-        if best and (self.since_plain >= (PLAIN_EVERY if self.plain_samples >= PLAIN_SAMPLES else PLAIN_SAMPLES)):
-            return self.PLAIN  # keep the plain cost measured: often until it has a few samples, then now and then
+        if best and self.since_plain >= PLAIN_EVERY:
+            return self.PLAIN  # keep the plain cost measured: the first step, then now and then
         if best == 0:
             self.plain_run += 1
             self.probes.accrue(self.plain_seconds)
@@ -365,7 +364,7 @@ class Controller:
             if self.missed is not None:
                 self.missed += len(result.committed)
             self.probes.plain_step(rest)
-            self.since_plain, self.plain_samples = 0, self.plain_samples + 1
+            self.since_plain = 0
         else:
             self.observed += 1
             self.since_plain += 1

@@ -109,10 +109,10 @@ def back_on_after(controller: Controller, off: int, seed: int, paid: int = 4, on
 def test_a_long_prompt_s_catching_up_holds_a_drafter_that_pays_off_for_less_long():
     """A drafter that paid, turned off by 6 to 21 requests of random text whose first draft feeds it 960 positions (5.3
     plain steps), then predictable text again: over 48 switches (3 seeds each), the plain steps until it is on again
-    have a median of at most 480 (435 here): a probe's catching up is charged after it, not saved for before it, and
+    have a median of at most 480 (370 here): a probe's catching up is charged after it, not saved for before it, and
     not at all when what its second step won repays it over the request's rest. Negative control: a probe that waits
     for the credit to cover its catching up too, and is always charged it (the rule before), waits a median of at
-    least 650 (954 here). Both are budget-bound: a probe that catches up 960 positions of random text costs some 6
+    least 650 (727 here). Both are budget-bound: a probe that catches up 960 positions of random text costs some 6
     plain steps, which the 1% credit takes 600 plain steps to win back."""
 
     def before() -> Controller:
@@ -287,7 +287,7 @@ def test_after_long_prompts_of_random_text_a_predictable_request_opens_drafting_
     of 5.3 plain steps), then short predictable ones again: over 12 seeds the plain steps until it drafts again have a
     median of at most 200 (118 here, two requests), a new request being new text that a probe may open when its
     chances repay it. Negative control: without opening probes, the credit's debt from the long prompts' probes holds
-    it plain for a median of at least 400 (506 here)."""
+    it plain for a median of at least 300 (402 here; 312-570 over 36 seeds, none below 300)."""
 
     def back_on(controller: Controller, seed: int) -> float:
         plain = 0
@@ -306,13 +306,13 @@ def test_after_long_prompts_of_random_text_a_predictable_request_opens_drafting_
         return controller
 
     assert statistics.median(back_on(Controller(6), seed) for seed in range(12)) <= 200
-    assert statistics.median(back_on(without_opening(), seed) for seed in range(12)) >= 400
+    assert statistics.median(back_on(without_opening(), seed) for seed in range(12)) >= 300
 
 
 def test_opening_probes_stop_where_the_text_stopped_suiting_the_drafter():
     """A drafter that paid on 4 requests, then 48 of random text (128-token prompts): at most 12 of them open with a
-    probe (8-9 here), none of the last 24, and the 48 lose at most 3% of their time to the drafter (2.3-2.5% here;
-    1.9-2.0% without opening probes: the first requests' drafting, and the 1% credit's probes). Negative control: a
+    probe (9-12 here), none of the last 24, and the 48 lose at most 3% of their time to the drafter (2.4-2.7% here;
+    1.9-2.2% without opening probes: the first requests' drafting, and the 1% credit's probes). Negative control: a
     chance of suiting that never learns from the requests that lost opens nearly every one (>= 40)."""
     accept, prompt = (lambda r: 0.9 if r < 4 else 0.0), (lambda r: 128)
     for seed in range(3):
