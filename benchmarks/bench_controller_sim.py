@@ -6,15 +6,16 @@ The demo benchmarks time the controller on this machine, where one request's tim
 12-19% from one run to the next: a change of policy that moves a row by 2% is lost in them.
 This one takes the machine out. Every step's seconds come from a cost model shaped like the
 demo's on this CPU (a plain step costs 1; drafting a chain 0.28 for its first level and 0.2
-for each next; verifying n nodes adds 0.16, 0.23, 0.25, 0.32, 0.42, 0.5 for n = 1..6; every
-step's time is multiplied by lognormal(0, 0.1) noise), and each node of a chain is accepted
-with its depth's chance given its parent was (the scenario's). Per scenario and seed, a fresh
-controller (``Controller(6)``) decodes R requests of 64 tokens, and so do plain decoding and
-fixed chains of depth 1-6, with the same seed. The table gives, per scenario and R, the
-config best over the seeds' mean and the controller's rate over that config's, seed by seed:
-the median, the mean, the least, and the seeds below 0.9 (a fresh controller that settled
-badly). ``--baseline REV`` runs the controller of an earlier revision beside it (its
-``verify`` modules, as ``bench_controller_cost`` loads them), on the same seeds.
+for each next; verifying n nodes adds 0.16, 0.23, 0.25, 0.32, 0.42, 0.5 for n = 1..6; a
+request's first step takes 1.1 times as long, as the demo target's first forward after its
+prefill does; every step's time is multiplied by lognormal(0, 0.1) noise), and each node of
+a chain is accepted with its depth's chance given its parent was (the scenario's). Per
+scenario and seed, a fresh controller (``Controller(6)``) decodes R requests of 64 tokens,
+and so do plain decoding and fixed chains of depth 1-6, with the same seed. The table gives,
+per scenario and R, the config best over the seeds' mean and the controller's rate over that
+config's, seed by seed: the median, the mean, the least, and the seeds below 0.9 (a fresh
+controller that settled badly). ``--baseline REV`` runs the controller of an earlier revision
+beside it (its ``verify`` modules, as ``bench_controller_cost`` loads them), on the same seeds.
 
 Left out on purpose: drafts carry no confidence (every node scores 0.5, so the calibration
 learns per depth only), drafting after plain steps catches nothing up, and the text does not
@@ -39,6 +40,7 @@ from draftsmith.verify import controller as current
 PROMPT, TOKENS, DEPTH = 128, 64, 6
 ROWS = (0.0, 0.16, 0.23, 0.25, 0.32, 0.42, 0.5)  # what verifying n nodes adds to a plain step (n = 0..6)
 NOISE = 0.1  # every step's seconds times lognormal(0, NOISE)
+FIRST_STEP = 1.1  # a request's first step takes this much longer (the demo target's first forward after prefill: median 1.11x)
 SCENARIOS = {  # per request: each depth's chance to be accepted given its parent was
     "eagle_code": lambda request: (0.76, 0.73, 0.83, 0.68, 0.79, 0.88),  # EAGLE-1 on the demo's code (c25, a fixed chain of 6)
     "easy": lambda request: (0.9,) * DEPTH,
@@ -78,7 +80,7 @@ def decode(scenario, seed: int, requests: int, fixed: int | None = None, module=
             accepted = 0
             while accepted < draft.num_nodes and rng.random() < chances[accepted]:
                 accepted += 1
-            noise = rng.lognormvariate(0.0, NOISE)
+            noise = rng.lognormvariate(0.0, NOISE) * (FIRST_STEP if done == 0 else 1.0)
             drafting, rest = (noise * part for part in costs(depth, draft.num_nodes))
             if controller is not None:
                 result = VerifyResult(list(range(accepted)), list(range(accepted)), 0, accepted < draft.num_nodes)

@@ -2,12 +2,12 @@
 
 A fresh controller over 8 requests of 64 tokens, 12 seeds: its rate over the best fixed config
 (plain decoding or a chain of 1-6), seed by seed. The bounds sit below what this revision
-measures (medians 0.96-0.99 at 40 seeds, ``benchmarks/results/controller.md``), so a change of
+measures (medians 0.97-0.99 at 40 seeds, ``benchmarks/results/controller.md``), so a change of
 policy that costs a few percent everywhere fails here before it reaches a noisy benchmark.
 Negative control: a controller that may draft one token at most (``Controller(1)``) is far
 below the bound where a chain of 3 or 6 wins. Over one request (a cold start), the bound on
 ``easy`` fails a controller that spends every fourth of its first 16 steps measuring a plain
-step (the rule before 2026-12-07: 0.87 where this revision has 0.92).
+step (the rule before 2026-12-07: 0.87 where this revision has 0.93).
 """
 
 from __future__ import annotations
