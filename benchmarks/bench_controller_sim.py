@@ -77,13 +77,15 @@ def decode(scenario, seed: int, requests: int, fixed: int | None = None, module=
             draft = Draft.chain(list(range(depth)), scores=[0.5] * depth) if depth else Draft.empty()
             if controller is not None and depth and plan.trims:
                 draft, _ = controller.trim(draft, context, True)
-            accepted = 0
+            accepted, token = 0, -1  # the next token: the target's choice after the accepted path (-1: no draft token)
             while accepted < draft.num_nodes and rng.random() < chances[accepted]:
                 accepted += 1
+            if accepted == draft.num_nodes < depth and rng.random() < chances[accepted]:
+                token = accepted  # the first node a trim cut (a chain's tokens are 0, 1, ...) is the target's choice
             noise = rng.lognormvariate(0.0, NOISE) * (FIRST_STEP if done == 0 else 1.0)
             drafting, rest = (noise * part for part in costs(depth, draft.num_nodes))
             if controller is not None:
-                result = VerifyResult(list(range(accepted)), list(range(accepted)), 0, accepted < draft.num_nodes)
+                result = VerifyResult(list(range(accepted)), list(range(accepted)), token, accepted < draft.num_nodes)
                 controller.observe(plan, draft, result, context, drafting, drafting + rest, True)
             seconds, tokens = seconds + drafting + rest, tokens + accepted + 1
             context, done = context + accepted + 1, done + accepted + 1

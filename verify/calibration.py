@@ -41,6 +41,11 @@ class Calibration:
             self._chances[source] = table
         return table
 
+    def count(self, source: str, tested: list[tuple[int, float | None, bool]]) -> None:
+        """Count nodes tested outside a verification: (depth, own confidence, accepted) each (``cut_children``)."""
+        for depth, score, hit in tested:
+            self.learn([-1], None if score is None else [score], [depth], source, [0] if hit else [], True)
+
     def learn(self, parents: list[int], scores, depths: list[int], source: str, accepted_nodes: list[int], greedy: bool) -> None:
         """Count a verified draft's tested nodes: at temperature 0 (``greedy``) every child of an accepted node was tested
         at once; else the children of a node were tested in order up to the accepted one."""
@@ -59,3 +64,30 @@ class Calibration:
             counts[0] = KEEP * counts[0] + hit
             counts[1] = KEEP * counts[1] + (not hit)
             table[index] = (counts[0] + 2.0 * PRIORS[index]) / (counts[0] + counts[1] + 2.0)
+
+
+def cut_children(draft, kept: list[int], token: int, accepted: list[int]) -> list[tuple[int, float | None, bool]]:
+    """(depth, own confidence, whether it is ``token``) of each node of ``draft`` a trim cut (it kept ``kept``) whose parent
+    ends the accepted path (``accepted``: indices in the trimmed draft; the root where none).
+
+    ``token`` is the step's next token: at temperature 0 the target's choice after the path; at
+    temperature > 0, where the path ended with no child verified, a draw from the target's
+    distribution there, so it equals a cut node (a deterministic one: only those are trimmed
+    there) as often as that node would have passed its test. So the nodes a trim cut below the
+    path's end are tested for free: the calibration counts them (bins a trim cuts are otherwise
+    seen only by whole drafts), and where one matches, the path reached one depth deeper than
+    verified and what lay below is unknown, not missed (counted as missed, the cuts of an
+    under-confident drafter's deep nodes priced its deep depths low and kept the plan shallow).
+    """
+    end, scores = (kept[accepted[-1]] if accepted else -1), draft.scores  # where the accepted path ends, before the trim
+    if draft.is_chain():  # a chain's trim keeps a prefix: its one child is the first node cut, if any
+        child = end + 1
+        if child < len(kept) or child >= draft.num_nodes:
+            return []
+        return [(child + 1, None if scores is None else scores[child], draft.token_list[child] == token)]
+    kept_set, tokens, depths = set(kept), draft.token_list, draft.depth_list
+    return [
+        (depths[node], None if scores is None else scores[node], tokens[node] == token)
+        for node, parent in enumerate(draft.parent_list)
+        if parent == end and node not in kept_set
+    ]

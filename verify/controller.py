@@ -22,7 +22,8 @@ itself while it decodes and decides per step:
    rate of tokens per second reaches, k nodes costing what k nodes add on the rows curve.
    Only where it keeps the target's law exactly: at temperature 0, or for deterministic
    drafts (point masses, whose verification is exact however they were chosen). A sampled
-   tree is never cut by its own drawn values. While drafting, a proposer of such drafts may
+   tree is never cut by its own drawn values. The step's next token tests what a trim cut
+   below the accepted path's end (``cut_children``): learnt, not counted as misses. While drafting, a proposer of such drafts may
    leave unexpanded a node the trim would cut whatever else the draft holds (``stop_rule``).
 2. observe: the step's seconds update the running costs of its planned depth (or of a
    plain step) and what its rows added beyond a plain step (``RowsCurve``: an average per
@@ -66,7 +67,7 @@ from dataclasses import dataclass
 from draftsmith.proposers.core.tree import keep_nodes
 from draftsmith.proposers.core.types import Draft, StopRule, VerifyResult
 
-from .calibration import CONFIDENCE_EDGES, DEPTH_BUCKETS, SLOTS, Calibration, bin_of
+from .calibration import CONFIDENCE_EDGES, DEPTH_BUCKETS, SLOTS, Calibration, bin_of, cut_children
 from .estimates import MachineSpeed, RobustLine, RowsCurve, ShapeEstimates, average, first_children_chain
 from .probes import AFTERMATH, ProbeLedger
 
@@ -145,6 +146,7 @@ class Controller:
         self._pending: list[tuple] = []  # drafted steps observed and not learnt from yet (``_learn_pending``)
         self._estimated_plain = 0.0  # the plain step's cost the estimates were computed with
         self._stop: StopRule | None = None  # ``stop_rule``'s, until a plain step's cost or the rows curve moves
+        self._cut: tuple[Draft, Draft, list[int]] | None = None  # the last trim's (trimmed, whole draft, kept nodes) where it cut
         self._plans: dict[tuple[int, int, bool, bool], Plan] = {}  # (depth, shape, probe, whole) -> its plan (``_plan``)
         self._headroom = float("inf")  # how far (log) that cost may move before a plain decision of theirs could turn (``_decide``)
 
@@ -285,6 +287,7 @@ class Controller:
                 (temperature 0, or a deterministic draft); else the draft is kept whole.
         """
         n, plain = draft.num_nodes, self.plain_seconds
+        self._cut = None
         if not n or not exact_any_subset or plain is None or not self.rows.ready:
             return draft, None
         tick = time.perf_counter()
@@ -308,6 +311,8 @@ class Controller:
                 best_k, best_rate = k, rate
         kept = None if best_k == n else sorted(order[:best_k])
         trimmed = draft if kept is None else keep_nodes(draft, kept)
+        if kept is not None:  # the nodes cut are tested for free against the step's next token (``cut_children``)
+            self._cut = (trimmed, draft, kept)
         self.seconds += time.perf_counter() - tick  # building the trimmed draft included
         return trimmed, kept
 
@@ -370,8 +375,10 @@ class Controller:
             self.since_plain += 1
             missed, self.missed = (context if self.missed is None else self.missed), 0
             calibrate = bool(self.observed % 2 or plan.probe)  # half the steps calibrate (and every probe): a bin moves slowly
+            cut, self._cut = self._cut, None  # the trim's, where it cut this very draft; the next token tests what it cut
+            cut = (cut[1], cut[2], result.next_token) if cut is not None and cut[0] is draft and (greedy or not result.recovered) else None
             self._pending.append((plan, draft.parent_list, draft.depth_list, draft.scores, draft.source or "", result.accepted_nodes,
-                                  missed, draft_seconds, rest, self.plain_seconds, self.drafted_steps, greedy, calibrate))  # fmt: skip
+                                  missed, draft_seconds, rest, self.plain_seconds, self.drafted_steps, greedy, calibrate, cut))  # fmt: skip
             every = REFRESH_EVERY if self.observed > 2 * REFRESH_EVERY else 2  # often while the estimates are young
             priced = self._estimates[plan.shape][1][plan.depth] if self._estimates is not None else None
             dear = priced is not None and step_seconds > SURPRISE * priced
@@ -392,7 +399,7 @@ class Controller:
         forward, ran in cold ones at about twice the cost.
         """
         pending, self._pending, self._stop = self._pending, [], None  # the rows curve moves
-        for plan, parents, depths, scores, source, accepted, missed, draft_seconds, rest, plain, now, greedy, calibrate in pending:
+        for plan, parents, depths, scores, source, accepted, missed, draft_seconds, rest, plain, now, greedy, calibrate, cut in pending:
             shape = self.shapes[plan.shape]
             if missed <= 1:  # steady state (one plain step's token is fed as a drafted step's bonus token is)
                 self.draft_scale = shape.learn_draft_cost(plan.depth, draft_seconds, self.draft_scale)
@@ -402,7 +409,11 @@ class Controller:
                 shape.learn_verify_cost(plan.depth, rest - plain, plain)
                 if depths:
                     self.rows.update(len(depths), rest - plain)
-            shape.learn_depths(plan.depth, depths, len(accepted), self.decay, now)
+            reach, tested = len(accepted), (cut_children(*cut, accepted) if cut is not None else ())  # what the trim cut, tested
+            if calibrate and tested:
+                self.calibration.count(source, tested)
+            known = reach + 1 if any(hit for _, _, hit in tested) else None  # a cut node would have been accepted: deeper, unknown
+            shape.learn_depths(plan.depth, depths, reach if known is None else known, self.decay, now, known)
             if shape is not self.shapes[0]:  # a tree holds the chain of first children: what that chain would have accepted
                 length, reach = first_children_chain(parents, accepted)  # only the depths it held (a trim may cut it short)
                 self.shapes[0].learn_depths(min(length, plan.depth), None, reach, self.decay, now)
