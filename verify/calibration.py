@@ -10,6 +10,10 @@ counts over its confidence's prior (worth two nodes). A node without a score has
 from __future__ import annotations
 
 from bisect import bisect_right
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from draftsmith.proposers.core.types import Draft
 
 CONFIDENCE_EDGES = (0.05, 0.15, 0.3, 0.5, 0.7, 0.85, 0.95)  # calibration bins of a node's own draft probability
 CONFIDENCE_MIDS = (0.025, 0.1, 0.225, 0.4, 0.6, 0.775, 0.9, 0.975)  # each bin's prior acceptance
@@ -66,7 +70,7 @@ class Calibration:
             table[index] = (counts[0] + 2.0 * PRIORS[index]) / (counts[0] + counts[1] + 2.0)
 
 
-def cut_children(draft, kept: list[int], token: int, accepted: list[int]) -> list[tuple[int, float | None, bool]]:
+def cut_children(draft: Draft, kept: list[int], token: int, accepted: list[int]) -> list[tuple[int, float | None, bool]]:
     """(depth, own confidence, whether it is ``token``) of each node of ``draft`` a trim cut (it kept ``kept``) whose parent
     ends the accepted path (``accepted``: indices in the trimmed draft; the root where none).
 

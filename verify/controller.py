@@ -23,8 +23,9 @@ itself while it decodes and decides per step:
    Only where it keeps the target's law exactly: at temperature 0, or for deterministic
    drafts (point masses, whose verification is exact however they were chosen). A sampled
    tree is never cut by its own drawn values. The step's next token tests what a trim cut
-   below the accepted path's end (``cut_children``): learnt, not counted as misses. While drafting, a proposer of such drafts may
-   leave unexpanded a node the trim would cut whatever else the draft holds (``stop_rule``).
+   below the accepted path's end (``cut_children``): learnt, not counted as misses. While
+   drafting, a proposer of such drafts may leave unexpanded a node the trim would cut
+   whatever else the draft holds (``stop_rule``).
 2. observe: the step's seconds update the running costs of its planned depth (or of a
    plain step) and what its rows added beyond a plain step (``RowsCurve``: an average per
    size of draft, joined into a non-decreasing curve); the outcome updates u_d, the rows

@@ -312,7 +312,8 @@ class ShapeEstimates:
 
     def learn_depths(self, planned: int, depths: list[int] | None, accepted: int, decay: float, now: int, known: int | None = None) -> None:
         """Count one drafted step planned at ``planned``: its nodes' ``depths`` (None: a chain, one per depth), its ``accepted``
-        length; ``known``: the deepest depth whose outcome it tells (None: every planned one), its rows counted to ``planned``."""
+        length; ``known``: the deepest depth whose outcome it tells (None: every planned one; deeper ones age as counted
+        ones do and gain nothing), its rows counted to ``planned``."""
         if depths is None:
             rows_to = range(1, planned + 1)  # the nodes at depths 1..d
         else:
@@ -325,9 +326,9 @@ class ShapeEstimates:
         for d, rows in enumerate(rows_to, start=1):
             gap = now - stamp[d] - 1  # drafted steps since this depth's last count that did not draft it (this one does)
             kept = decay if gap <= 0 else decay * (_STALE_POWERS[gap] if gap < len(_STALE_POWERS) else STALE**gap)
-            if known is None or d <= known:
-                reached[d] = kept * reached[d] + 1.0
-                accepted_counts[d] = kept * accepted_counts[d] + (d < hit)
+            told = known is None or d <= known  # an unknown outcome ages the depth's counts and adds nothing
+            reached[d] = kept * reached[d] + told
+            accepted_counts[d] = kept * accepted_counts[d] + (told and d < hit)
             row_counts[d] = kept * row_counts[d] + rows
             stamp[d] = now
 

@@ -29,11 +29,13 @@ def test_the_cut_children_of_the_accepted_path_s_end_are_tested_against_the_next
 
 def test_a_step_that_tells_depths_only_to_known_counts_its_rows_to_the_planned_depth():
     decay, shape = 0.95, ShapeEstimates(1, 6)
-    shape.learn_depths(6, [1, 2, 3], 4, decay, 1, known=4)  # three nodes verified and accepted, a fourth (cut) would have been
-    assert shape.reached[1:] == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0] and shape.accepted[1:] == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
-    assert shape.rows[1:] == [1.0, 2.0, 3.0, 3.0, 3.0, 3.0]  # what a step planned at each depth verified
-    shape.learn_depths(6, [1, 2, 3], 3, decay, 2)  # the cut node tested and missed: every deeper depth is a known miss
-    assert shape.reached[6] == 1.0 and shape.accepted[6] == 0.0 and shape.accepted[4] == pytest.approx(decay)
+    shape.learn_depths(6, [1, 2, 3, 4, 5, 6], 6, decay, 1)  # a whole chain accepted
+    shape.learn_depths(6, [1, 2, 3], 4, decay, 2, known=4)  # three nodes verified and accepted, a fourth (cut) would have been
+    assert shape.reached[1:] == pytest.approx([1 + decay] * 4 + [decay] * 2)  # depths 5-6 aged, nothing added
+    assert shape.accepted[1:] == pytest.approx([1 + decay] * 4 + [decay] * 2)
+    assert shape.rows[1:] == pytest.approx([decay + 1, 2 * decay + 2, 3 * decay + 3, 4 * decay + 3, 5 * decay + 3, 6 * decay + 3])
+    shape.learn_depths(6, [1, 2, 3], 3, decay, 3)  # the cut node tested and missed: every deeper depth is a known miss
+    assert shape.reached[6] == pytest.approx(decay**2 + 1) and shape.accepted[6] == pytest.approx(decay**2)
 
 
 def warm(controller: Controller, seed: int = 0, steps: int = 60) -> None:
@@ -90,10 +92,11 @@ def test_what_a_trim_cut_is_tested_where_the_next_token_is_the_target_s_own_choi
 
 def test_a_cut_node_that_would_have_passed_leaves_the_deeper_depths_unknown_and_one_that_missed_counts_them_missed(monkeypatch):
     """After the same warm-up: a step whose first cut node matches the next token counts its depth reached and accepted,
-    and leaves the depths below it as they were; a miss counts them missed.
+    and leaves the share of the depths below it as it was (their counts age, nothing is added); a miss counts them missed.
     Negative control: without the test (``cut_children`` finding nothing) the match is counted missed below the cut."""
 
-    def change(match: bool, tested: bool) -> tuple[int, list[float], list[float]]:
+    def change(match: bool, tested: bool) -> tuple[int, list[float], list[float], list[float]]:
+        """(nodes kept, and per depth the change of reached and accepted counts, and of their ratio)."""
         controller = Controller(6)
         warm(controller)
         controller._learn_pending()
@@ -104,12 +107,14 @@ def test_a_cut_node_that_would_have_passed_leaves_the_deeper_depths_unknown_and_
         kept = cut_step(controller, True, False, match)
         monkeypatch.undo()
         moved = [b - a for a, b in zip(reached, shape.reached, strict=True)]
-        return kept, moved, [b - a for a, b in zip(accepted, shape.accepted, strict=True)]
+        ratio = [a / r if r else 0.0 for a, r in zip(accepted, reached, strict=True)]
+        share = [(a / r if r else 0.0) - before for a, r, before in zip(shape.accepted, shape.reached, ratio, strict=True)]
+        return kept, moved, [b - a for a, b in zip(accepted, shape.accepted, strict=True)], share
 
-    kept, reached, accepted = change(match=True, tested=True)
+    kept, reached, accepted, share = change(match=True, tested=True)
     cut = kept + 1  # the depth of the first node cut
-    assert accepted[cut] > 0 and all(reached[d] == accepted[d] == 0 for d in range(cut + 1, 7))
-    kept, reached, accepted = change(match=False, tested=True)
+    assert accepted[cut] > 0 and all(reached[d] <= 0 and share[d] == pytest.approx(0.0, abs=1e-12) for d in range(cut + 1, 7))
+    kept, reached, accepted, _ = change(match=False, tested=True)
     assert all(reached[d] != 0 for d in range(kept + 1, 7)) and all(accepted[d] <= 0 for d in range(kept + 1, 7))
-    kept, reached, accepted = change(match=True, tested=False)
+    kept, reached, accepted, _ = change(match=True, tested=False)
     assert all(reached[d] != 0 for d in range(kept + 1, 7)) and all(accepted[d] <= 0 for d in range(kept + 1, 7))
