@@ -77,7 +77,9 @@ def cut_children(draft: Draft, kept: list[int], token: int, accepted: list[int])
     ``token`` is the step's next token: at temperature 0 the target's choice after the path; at
     temperature > 0, where the path ended with no child verified, a draw from the target's
     distribution there, so it equals a cut node (a deterministic one: only those are trimmed
-    there) as often as that node would have passed its test. So the nodes a trim cut below the
+    there) as often as that node would have passed its test (exactly so for a chain's, or a
+    tree's first cut child; a later sibling's test would have drawn from what the earlier ones
+    left, which this reads as the whole distribution). So the nodes a trim cut below the
     path's end are tested for free: the calibration counts them (bins a trim cuts are otherwise
     seen only by whole drafts), and where one matches, the path reached one depth deeper than
     verified and what lay below is unknown, not missed (counted as missed, the cuts of an
