@@ -413,8 +413,8 @@ class Controller:
             reach, tested = len(accepted), (cut_children(*cut, accepted) if cut is not None else ())  # what the trim cut, tested
             if calibrate and tested:
                 self.calibration.count(source, tested)
-            known = reach + 1 if any(hit for _, _, hit in tested) else None  # a cut node would have been accepted: deeper, unknown
-            shape.learn_depths(plan.depth, depths, reach if known is None else known, self.decay, now, known)
+            passed = any(hit for _, _, hit in tested)  # a cut node would have been accepted: one deeper, below it unknown
+            shape.learn_depths(plan.depth, depths, reach + passed, self.decay, now, reach + 1 if passed else None)
             if shape is not self.shapes[0]:  # a tree holds the chain of first children: what that chain would have accepted
                 length, reach = first_children_chain(parents, accepted)  # only the depths it held (a trim may cut it short)
                 self.shapes[0].learn_depths(min(length, plan.depth), None, reach, self.decay, now)

@@ -322,11 +322,12 @@ class ShapeEstimates:
                 counts[d if d <= planned else planned + 1] += 1
             rows_to = accumulate(counts[1 : planned + 1])
         reached, accepted_counts, row_counts, stamp = self.reached, self.accepted, self.rows, self.stamp
+        told_to = planned if known is None else known  # deeper depths' outcomes unknown: their counts age and gain nothing
         hit = min(accepted, planned) + 1  # the depths the accepted path reached, and one
         for d, rows in enumerate(rows_to, start=1):
             gap = now - stamp[d] - 1  # drafted steps since this depth's last count that did not draft it (this one does)
             kept = decay if gap <= 0 else decay * (_STALE_POWERS[gap] if gap < len(_STALE_POWERS) else STALE**gap)
-            told = known is None or d <= known  # an unknown outcome ages the depth's counts and adds nothing
+            told = d <= told_to
             reached[d] = kept * reached[d] + told
             accepted_counts[d] = kept * accepted_counts[d] + (told and d < hit)
             row_counts[d] = kept * row_counts[d] + rows
