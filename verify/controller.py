@@ -30,7 +30,9 @@ itself while it decodes and decides per step:
    plain step) and what its rows added beyond a plain step (``RowsCurve``: an average per
    size of draft, joined into a non-decreasing curve); the outcome updates u_d, the rows
    per depth and the calibration bins (in one pass when the estimates are next recomputed:
-   every ``REFRESH_EVERY`` drafted steps, and at once after a probe or a surprising step).
+   every ``REFRESH_EVERY`` drafted steps, and at once after a probe or a surprising step;
+   ``verify.learning``). A plain decision holds the next ``HOLD`` plain steps (fewer where a
+   probe could come due): they are not planned, and are learnt from in one pass after.
    The averages follow the context as it grows. A pause of the machine is not a cost: a
    step's rest counts as at most ``PAUSE_BOUND`` plain steps per verified row, one probe's
    loss (with what it slows the plain steps after it) as at most
@@ -68,16 +70,16 @@ from dataclasses import dataclass
 from draftsmith.proposers.core.tree import keep_nodes
 from draftsmith.proposers.core.types import Draft, StopRule, VerifyResult
 
-from .calibration import CONFIDENCE_EDGES, DEPTH_BUCKETS, SLOTS, Calibration, bin_of, cut_children
-from .estimates import MachineSpeed, RobustLine, RowsCurve, ShapeEstimates, average, first_children_chain
-from .probes import AFTERMATH, ProbeLedger
+from .calibration import CONFIDENCE_EDGES, DEPTH_BUCKETS, SLOTS, Calibration, bin_of
+from .estimates import MachineSpeed, RobustLine, RowsCurve, ShapeEstimates
+from .learning import PAUSE_BOUND, StepLearning
+from .probes import ProbeLedger
 
 DEFAULT_DEPTH = 8  # planned depths for a proposer that states no limit
 REFRESH_EVERY = 8  # drafted steps between recomputations of the plan's estimates (they move slowly)
 SURPRISE = 3.0  # a drafted step dearer than this many times its estimate has the estimates recomputed at once
-PLAIN_DRIFT = 0.02  # how far (relative) a plain step's cost moves before the estimates are recomputed for it, at least
 PLAIN_EVERY = 64  # drafted steps between plain steps that keep the plain cost measured (the first step is one)
-PAUSE_BOUND = 2.0  # a step's rest beyond this many plain steps per verified row is counted as this many (a pause, not a cost)
+HOLD = 8  # plain steps a plain decision holds without planning, learnt from in one pass after (fewer where a probe may come)
 PROBE_CEILING = 1000  # plain steps in a row after which a proposer is probed whatever its estimated catching up costs
 MARGIN = 0.05  # drafting must promise this much more than plain decoding: a tie is noise, and drafting's variance is not free
 
@@ -103,7 +105,7 @@ class Plan:
         return not (self.probe or self.whole)
 
 
-class Controller:
+class Controller(StepLearning):
     """Plans, trims and learns for one decoder's proposer (see the module docstring).
 
     Args:
@@ -119,6 +121,7 @@ class Controller:
     """
 
     PLAIN = Plan(0)  # a plain step's plan, one instance
+    HELD = Plan(0)  # a plain step's planned by the hold of the one before: equal to ``PLAIN``, told apart by identity
 
     def __init__(self, max_depth: int | None, max_width: int = 1, decay: float = 0.95, probe_every: int = 4, explore_every: int = 16):
         self.max_depth = max_depth or DEFAULT_DEPTH
@@ -150,6 +153,7 @@ class Controller:
         self._cut: tuple[Draft, Draft, list[int]] | None = None  # the last trim's (trimmed, whole draft, kept nodes) where it cut
         self._plans: dict[tuple[int, int, bool, bool], Plan] = {}  # (depth, shape, probe, whole) -> its plan (``_plan``)
         self._headroom = float("inf")  # how far (log) that cost may move before a plain decision of theirs could turn (``_decide``)
+        self._held, self._held_steps = 0, []  # plain steps the last plain decision still holds; the held ones' (seconds, tokens)
 
     # -- costs ---------------------------------------------------------------------------
 
@@ -158,7 +162,8 @@ class Controller:
 
         A probe cut short by the last request's end is settled on its first step (a second would catch up a new prompt).
         """
-        self.missed = None
+        self._learn_held()  # the last request's steps
+        self.missed, self._held = None, 0
         self.probes.request_end(self.plain_seconds)
         if self.probe_pending:
             self.probe_pending, self._estimates = False, None
@@ -169,6 +174,12 @@ class Controller:
     def plan(self, context: int, room: int) -> Plan:
         """The depth and shape to draft with ``room`` depths left (depth 0: a plain step); ``context`` is the committed length."""
         tick = time.perf_counter()
+        if self._held:  # a plain decision holds: its steps are learnt from when it ends (``_learn_held``)
+            self._held -= 1
+            self.seconds += time.perf_counter() - tick
+            return self.HELD
+        if self._held_steps:
+            self._learn_held()
         deepest, self._refreshed = min(self.max_depth, room), 0.0
         if self._estimates is None:
             if self._pending:
@@ -181,10 +192,12 @@ class Controller:
         if decision is None:
             decision = self._decisions[deepest] = self._decide(deepest)
         depth, shape, drafting = decision
-        catch_up = self._catch_up_cost(context if self.missed is None else self.missed)  # what the next draft feeds first
-        if catch_up and depth and not self._pays_back(shape, depth, catch_up, room):
-            depth = 0
-        plan = self._explore(depth, shape, drafting, deepest, catch_up, room)
+        positions = context if self.missed is None else self.missed  # what the next draft feeds first
+        if depth:
+            catch_up = self._catch_up_cost(positions)
+            if catch_up and not self._pays_back(shape, depth, catch_up, room):
+                depth = 0
+        plan = self._explore(depth, shape, drafting, deepest, positions, room)
         if plan.depth:
             self.shapes[plan.shape].planned[plan.depth] += 1
         else:
@@ -243,7 +256,7 @@ class Controller:
             self._plans[key] = Plan(depth, probe, whole, shape, self.shapes[shape].width)
         return self._plans[key]
 
-    def _explore(self, best: int, shape: int, drafting: int, deepest: int, catch_up: float = 0.0, room: int = 0) -> Plan:
+    def _explore(self, best: int, shape: int, drafting: int, deepest: int, positions: int = 0, room: int = 0) -> Plan:
         """Probe a proposer that is off, now and then; probe around the planned depth and shape, and measure a plain step, now and then.
 
         Probes pay for themselves (``verify.probes``): a probe (at least ``probe_every`` plain
@@ -264,11 +277,13 @@ class Controller:
             self.probes.accrue(self.plain_seconds)
             if drafting and self.plain_run >= self.probe_every:  # the cheap test first: most plain steps end here
                 due = self.probes.due() or self.plain_run >= PROBE_CEILING  # the ceiling: whatever the estimates say
+                catch_up = self._catch_up_cost(positions) if due or self.missed is None else 0.0  # priced only when read
                 opens = not due and self.missed is None and self.probes.opens(catch_up, room, self.plain_seconds)  # new text
                 if due or opens:
                     self.plain_run, self.probe_pending = 0, True
                     self.probes.begin(catch_up, room, opens, self.shapes[shape].draft_costs(self.draft_scale)[drafting])
                     return self._plan(drafting, shape, probe=True)
+            self._held = self._hold(drafting)
             return self.PLAIN
         self.plain_run = 0
         self.drafted_steps += 1
@@ -277,6 +292,23 @@ class Controller:
         if len(self.shapes) > 1 and self.drafted_steps // self.explore_every % 2:
             return self._plan(self._best_depth(1 - shape, deepest)[0] or best, 1 - shape, probe=True, whole=True)
         return self._plan(min(best + 1, deepest), shape, probe=True, whole=True)
+
+    def _hold(self, drafting: int) -> int:
+        """How many plain steps after this plain one may be planned plain without planning (``HOLD`` at most): none could probe.
+
+        A plan looks for a probe from the ``probe_every``-th plain step in a row on: due when the
+        credit covers the last probes' loss (held one step short of it, as a plain step's cost
+        moves), at the ceiling, or opening a request not drafted in yet (once looked at and
+        refused, a refusal the request's shrinking room keeps). A plain cost that moves past the
+        decision's headroom re-plans at the hold's end (some ``HOLD`` steps late at most).
+        """
+        if not drafting:
+            return HOLD
+        first = self.probe_every - self.plain_run  # the first held step whose plan would look for a probe
+        if first > 0 and self.missed is None:  # an opening probe not looked at yet
+            return min(HOLD, first - 1)
+        due = min(self.probes.plain_steps_before_due(self.plain_seconds) - 1, PROBE_CEILING - self.plain_run - 1)
+        return int(max(min(HOLD, max(first - 1, due)), 0))
 
     # -- 1. trim -------------------------------------------------------------------------
 
@@ -351,85 +383,53 @@ class Controller:
                 temperature > 0 the children of a node are tested in order up to the accepted one.
         """
         tick = time.perf_counter()
-        speed, plain = self.speed.factor, self.plain_seconds
         if plan.depth == 0:  # recomputing the estimates after drafted steps is drafting's work, not a plain step's
-            step_seconds -= self._refreshed
+            tokens = len(result.accepted_tokens) + 1  # the step's committed tokens (no list built)
+            if plan is self.HELD:  # learnt from with the hold's other steps, in order (``_learn_held``)
+                self._held_steps.append((step_seconds - draft_seconds, tokens))
+            else:
+                self._observe_plain(step_seconds - self._refreshed - draft_seconds, tokens)
+            self.seconds += time.perf_counter() - tick
+            return
+        speed, plain = self.speed.factor, self.plain_seconds
         step_seconds, draft_seconds = step_seconds / speed, draft_seconds / speed  # at the speed the costs were learnt at
         rest = max(step_seconds - draft_seconds, 1e-6)
         if plain is not None:  # a pause of the machine is not a cost: n + 1 rows take at most n + 1 plain steps
             nodes = draft.num_nodes  # what its rows add, as learnt (the rows curve's table: an empty draft's step is a plain one)
-            if plan.depth or self.missed is None or self.missed >= AFTERMATH:  # what a draft slows after it is drafting's cost
-                self.speed.update(rest * speed, plain + self.rows.table(nodes)[0][nodes] if not nodes or self.rows.points() else None)
+            rows = 0.0 if not nodes else self.rows.table(nodes)[0][nodes] if self.rows.points() else None  # none add nothing
+            self.speed.update(rest * speed, None if rows is None else plain + rows)
             rest = min(rest, PAUSE_BOUND * plain * (nodes + 1))
-        if plan.depth == 0:  # the estimates follow a plain step's cost only when it has moved (most steps may be plain ones)
-            self.plain_seconds, self._stop = average(self.plain_seconds, rest), None
-            if self._estimates is not None and (
-                not self._estimated_plain or abs(math.log(self.plain_seconds / self._estimated_plain)) > max(PLAIN_DRIFT, self._headroom)
-            ):
-                self._estimates = None
-            if self.missed is not None:
-                self.missed += len(result.committed)
-            self.probes.plain_step(rest)
-            self.since_plain = 0
-        else:
-            self.observed += 1
-            self.since_plain += 1
-            missed, self.missed = (context if self.missed is None else self.missed), 0
-            calibrate = bool(self.observed % 2 or plan.probe)  # half the steps calibrate (and every probe): a bin moves slowly
-            cut, self._cut = self._cut, None  # the trim's, where it cut this very draft; the next token tests what it cut
-            cut = (cut[1], cut[2], result.next_token) if cut is not None and cut[0] is draft and (greedy or not result.recovered) else None
-            self._pending.append((plan, draft.parent_list, draft.depth_list, draft.scores, draft.source or "", result.accepted_nodes,
-                                  missed, draft_seconds, rest, self.plain_seconds, self.drafted_steps, greedy, calibrate, cut))  # fmt: skip
-            every = REFRESH_EVERY if self.observed > 2 * REFRESH_EVERY else 2  # often while the estimates are young
-            priced = self._estimates[plan.shape][1][plan.depth] if self._estimates is not None else None
-            dear = priced is not None and step_seconds > SURPRISE * priced
-            paired = plan.probe and not plan.whole  # a probe of a proposer that is off (an exploring step waits its turn)
-            if self.observed % every == 0 or (paired and not self.probe_pending) or dear:
-                self._estimates = None  # the next plan learns the pending steps first (after a probe: whether it is back)
-            probe = step_seconds if paired else None  # a probe's step as timed (what one probe loses has its own cap)
-            self.probes.drafted(len(result.committed), rest + draft_seconds, self.plain_seconds, missed < 2, probe, not self.probe_pending)
+        self.observed += 1
+        self.since_plain += 1
+        missed, self.missed = (context if self.missed is None else self.missed), 0
+        calibrate = bool(self.observed % 2 or plan.probe)  # half the steps calibrate (and every probe): a bin moves slowly
+        cut, self._cut = self._cut, None  # the trim's, where it cut this very draft; the next token tests what it cut
+        cut = (cut[1], cut[2], result.next_token) if cut is not None and cut[0] is draft and (greedy or not result.recovered) else None
+        self._pending.append((plan, draft.parent_list, draft.depth_list, draft.scores, draft.source or "", result.accepted_nodes,
+                              missed, draft_seconds, rest, self.plain_seconds, self.drafted_steps, greedy, calibrate, cut))  # fmt: skip
+        every = REFRESH_EVERY if self.observed > 2 * REFRESH_EVERY else 2  # often while the estimates are young
+        priced = self._estimates[plan.shape][1][plan.depth] if self._estimates is not None else None
+        dear = priced is not None and step_seconds > SURPRISE * priced
+        paired = plan.probe and not plan.whole  # a probe of a proposer that is off (an exploring step waits its turn)
+        if self.observed % every == 0 or (paired and not self.probe_pending) or dear:
+            self._estimates = None  # the next plan learns the pending steps first (after a probe: whether it is back)
+        probe = step_seconds if paired else None  # a probe's step as timed (what one probe loses has its own cap)
+        self.probes.drafted(len(result.committed), rest + draft_seconds, self.plain_seconds, missed < 2, probe, not self.probe_pending)
         self.seconds += time.perf_counter() - tick
-
-    def _learn_pending(self) -> None:
-        """Learn from the drafted steps observed since the last time, in order: their costs, depths and calibration.
-
-        A drafted step's outcome is kept (a few Python lists) and learnt from when the estimates
-        are next recomputed (every ``REFRESH_EVERY`` drafted steps, and sooner: ``observe``), since only
-        they read what it teaches (the trim's rows curve and calibration lag by as many steps).
-        One pass over eight steps runs in warm caches; eight passes, one after each target
-        forward, ran in cold ones at about twice the cost.
-        """
-        pending, self._pending, self._stop = self._pending, [], None  # the rows curve moves
-        for plan, parents, depths, scores, source, accepted, missed, draft_seconds, rest, plain, now, greedy, calibrate, cut in pending:
-            shape = self.shapes[plan.shape]
-            if missed <= 1:  # steady state (one plain step's token is fed as a drafted step's bonus token is)
-                self.draft_scale = shape.learn_draft_cost(plan.depth, draft_seconds, self.draft_scale)
-            elif shape.draft_base[plan.depth] is not None:  # a catch-up: what it cost beyond the drafting
-                self.catch_up.update(float(missed), max(draft_seconds - shape.draft_base[plan.depth] * self.draft_scale, 0.0))
-            if plain is not None:  # what the step added beyond a plain step: its depth's cost, and its size's on the rows curve
-                shape.learn_verify_cost(plan.depth, rest - plain, plain)
-                if depths:
-                    self.rows.update(len(depths), rest - plain)
-            reach, tested = len(accepted), (cut_children(*cut, accepted) if cut is not None else ())  # what the trim cut, tested
-            if calibrate and tested:
-                self.calibration.count(source, tested)
-            passed = any(hit for _, _, hit in tested)  # a cut node would have been accepted: one deeper, below it unknown
-            shape.learn_depths(plan.depth, depths, reach + passed, self.decay, now, reach + 1 if passed else None)
-            if shape is not self.shapes[0]:  # a tree holds the chain of first children: what that chain would have accepted
-                length, reach = first_children_chain(parents, accepted)  # only the depths it held (a trim may cut it short)
-                self.shapes[0].learn_depths(min(length, plan.depth), None, reach, self.decay, now)
-            if calibrate:
-                self.calibration.learn(parents, scores, depths, source, accepted, greedy)
 
     # -- what it knows -------------------------------------------------------------------
 
     @property
     def planned(self) -> list[int]:
         """Steps planned at each depth (index 0: plain) over the controller's life, every shape together."""
+        self._learn_held()
         return [self.plain_steps] + [sum(shape.planned[d] for shape in self.shapes) for d in range(1, self.max_depth + 1)]
 
     def snapshot(self) -> dict:
         """The current estimates, for stats and tables: costs (ms, at the machine's speed now) and acceptance per depth, per shape."""
+        tick = time.perf_counter()
+        self._learn_held()  # the held steps' costs in it (their learning is the controller's work)
+        self.seconds += time.perf_counter() - tick
         speed, ms = self.speed.factor, 1000 * self.speed.factor
         shapes = [shape.snapshot(self.plain_seconds, self.rows, self.draft_scale, speed) for shape in self.shapes]  # as learnt so far
         return {

@@ -276,8 +276,9 @@ class SpeculativeDecoder:
         stats.total_time = time.perf_counter() - start
         if self.controller is None:
             return DecodeResult(new_tokens, stats)
+        snapshot = self.controller.snapshot()  # it learns the steps a plain decision held first: controller work
         stats.controller_time = self.controller.seconds - controller_before
-        return DecodeResult(new_tokens, stats, self.controller.snapshot())
+        return DecodeResult(new_tokens, stats, snapshot)
 
     def _propose(self, tokens, remaining, sampling, generators, target) -> DraftStep:
         """Plan the step, and ask the proposer for a draft no deeper than the plan, the output and the positions allow."""

@@ -24,6 +24,7 @@ requests after it for as long as the credit took to win that back.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 
@@ -61,6 +62,11 @@ class ProbeLedger:
     def due(self) -> bool:
         """Whether the credit covers what the last probes lost beyond their catching up (its cost comes off after)."""
         return self.credit >= max(self.loss or 0.0, 0.0)
+
+    def plain_steps_before_due(self, plain: float) -> float:
+        """How many more plain steps (at ``plain`` seconds each) leave the credit short of ``due`` (inf: a plain step adds nothing)."""
+        short = max(self.loss or 0.0, 0.0) - self.credit
+        return math.ceil(short / (PROBE_BUDGET * plain)) - 1 if plain > 0 else math.inf
 
     def opens(self, catch_up: float, room: int, plain: float | None) -> bool:
         """Whether a probe at a request's start repays OPEN_K times its risk: ``q * gain * room > OPEN_K * (catch_up + (1 - q) * loss)``.

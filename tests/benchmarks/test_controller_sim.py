@@ -44,11 +44,11 @@ def test_a_fresh_controller_s_first_request_is_near_the_best_fixed_config():
     """One request of 64 tokens where a chain of 6 wins: a cold start measures a plain step once, then drafts."""
 
     class Sampling(Controller):  # the rule before: a plain step every fourth step until four were measured
-        def _explore(self, best, shape, drafting, deepest, catch_up=0.0, room=0):
+        def _explore(self, best, shape, drafting, deepest, positions=0, room=0):
             self.plain_samples = getattr(self, "plain_samples", 0) + (self.since_plain == 0)
             if best and not self.probe_pending and self.plain_samples < 4 and self.since_plain >= 4:
                 return self.PLAIN
-            return super()._explore(best, shape, drafting, deepest, catch_up, room)
+            return super()._explore(best, shape, drafting, deepest, positions, room)
 
     now = sim.compare("easy", 1, 12, {"controller": sim.current, "before": SimpleNamespace(Controller=Sampling)})
     assert now["controller"]["median"] >= 0.89 > now["before"]["median"], now

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from draftsmith.proposers.core.types import Draft, VerifyResult
-from draftsmith.verify import controller as controller_module
+from draftsmith.verify import learning as learning_module
 from draftsmith.verify.calibration import cut_children
 from draftsmith.verify.controller import Controller
 from draftsmith.verify.estimates import ShapeEstimates
@@ -79,7 +79,7 @@ def test_what_a_trim_cut_is_tested_where_the_next_token_is_the_target_s_own_choi
     controller, calls = Controller(6), []
     warm(controller)
     controller._learn_pending()
-    monkeypatch.setattr(controller_module, "cut_children", lambda *args: calls.append(args) or [])
+    monkeypatch.setattr(learning_module, "cut_children", lambda *args: calls.append(args) or [])
     cut_step(controller, greedy, recovered, match=True)
     assert len(calls) == tested
     plan = controller._plan(2, 0)
@@ -101,7 +101,7 @@ def test_a_cut_node_that_would_have_passed_leaves_the_deeper_depths_unknown_and_
         warm(controller)
         controller._learn_pending()
         if not tested:
-            monkeypatch.setattr(controller_module, "cut_children", lambda *args: [])
+            monkeypatch.setattr(learning_module, "cut_children", lambda *args: [])
         shape = controller.shapes[0]
         reached, accepted = list(shape.reached), list(shape.accepted)
         kept = cut_step(controller, True, False, match)
