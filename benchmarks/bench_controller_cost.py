@@ -45,7 +45,7 @@ def baseline_module(revision: str, folder: Path) -> ModuleType:
     package = folder / "baseline_verify"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    for name in ("controller.py", "estimates.py", "probes.py", "calibration.py"):  # probes.py, calibration.py: split out later
+    for name in ("controller.py", "estimates.py", "probes.py", "calibration.py", "learning.py"):  # the last three: split out later
         shown = subprocess.run(["git", "show", f"{revision}:verify/{name}"], capture_output=True, text=True)
         if shown.returncode == 0:
             (package / name).write_text(shown.stdout)
