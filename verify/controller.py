@@ -298,9 +298,10 @@ class Controller(StepLearning):
 
         A plan looks for a probe from the ``probe_every``-th plain step in a row on: due when the
         credit covers the last probes' loss (held one step short of it, as a plain step's cost
-        moves), at the ceiling, or opening a request not drafted in yet (once looked at and
-        refused, a refusal the request's shrinking room keeps). A plain cost that moves past the
-        decision's headroom re-plans at the hold's end (some ``HOLD`` steps late at most).
+        moves, and not past the plain step that settles a probe's aftermath, which moves both), at
+        the ceiling, or opening a request not drafted in yet (once looked at and refused, a
+        refusal the request's shrinking room keeps). A plain cost that moves past the decision's
+        headroom re-plans at the hold's end (some ``HOLD`` steps late at most).
         """
         if not drafting:
             return HOLD

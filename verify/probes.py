@@ -64,9 +64,11 @@ class ProbeLedger:
         return self.credit >= max(self.loss or 0.0, 0.0)
 
     def plain_steps_before_due(self, plain: float) -> float:
-        """How many more plain steps (at ``plain`` seconds each) leave the credit short of ``due`` (inf: a plain step adds nothing)."""
+        """How many more plain steps (at ``plain`` seconds each) leave the credit short of ``due``, and its loss as it is:
+        none beyond the one whose observation settles a probe's aftermath (it moves both). Inf: nothing moves them."""
         short = max(self.loss or 0.0, 0.0) - self.credit
-        return math.ceil(short / (PROBE_BUDGET * plain)) - 1 if plain > 0 else math.inf
+        accrued = math.ceil(short / (PROBE_BUDGET * plain)) - 1 if plain > 0 else math.inf
+        return min(accrued, AFTERMATH - 1 - self._after[0]) if self._after is not None else accrued
 
     def opens(self, catch_up: float, room: int, plain: float | None) -> bool:
         """Whether a probe at a request's start repays OPEN_K times its risk: ``q * gain * room > OPEN_K * (catch_up + (1 - q) * loss)``.

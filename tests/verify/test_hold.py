@@ -2,43 +2,23 @@
 
 from __future__ import annotations
 
-import random
 from types import SimpleNamespace
 
-from law import linear_costs
+from law import requests
 
-from draftsmith.proposers.core.types import Draft, VerifyResult
 from draftsmith.verify import controller as controller_module
 from draftsmith.verify.controller import Controller
 
-TOKENS = 63
 
-
-def drive(controller: Controller, count: int, accept, seed: int = 0) -> list[tuple[int, int, bool]]:
-    """``count`` requests of ``TOKENS`` tokens after a 200-token prompt on the ``linear_costs`` clock (a plain step costs 1,
-    a draft's catching up 0.2 + 0.002 a position); each node of a chain is accepted with ``accept(request)``.
-    Returns (request, planned depth, probe) per step."""
-    rng, costs, steps = random.Random(seed), linear_costs(), []
-    for request in range(count):
-        controller.start()
-        context = fed = 200
-        while context < 200 + TOKENS:
-            plan = controller.plan(context=context, room=200 + TOKENS - context)
-            draft = Draft.chain(list(range(plan.depth)), scores=[0.5] * plan.depth) if plan.depth else Draft.empty()
-            if plan.depth and plan.trims:
-                draft, _ = controller.trim(draft, context, True)
-            n = 0
-            while n < draft.num_nodes and rng.random() < accept(request):
-                n += 1
-            drafting, rest = costs(plan, draft)
-            if plan.depth and context - fed > 1:
-                drafting += 0.2 + 0.002 * (context - fed)
-            result = VerifyResult(list(range(n)), list(range(n)), 0, n < draft.num_nodes)
-            controller.observe(plan, draft, result, context, drafting, drafting + rest, True)
-            steps.append((request, plan.depth, plan.probe))
-            context += n + 1
-            fed = context if plan.depth else fed
-        controller.snapshot()  # as the decoder asks after each request
+def drive(controller: Controller, count: int, accept) -> list[tuple[int, int, bool]]:
+    """(request, planned depth, probe) per step of ``law.requests`` (prompts of 200 tokens), the controller's snapshot
+    taken after each request as the decoder takes it."""
+    steps = []
+    for request, plan, _, _ in requests(controller, count, accept, catch_up=(0.2, 0.002), prompt=lambda request: 200):
+        if steps and request != steps[-1][0]:
+            controller.snapshot()
+        steps.append((request, plan.depth, plan.probe))
+    controller.snapshot()
     return steps
 
 
@@ -48,7 +28,7 @@ def text(request: int) -> float:
 
 
 def test_a_held_plain_decision_plans_as_planning_every_step_would(monkeypatch):
-    """Over random, then predictable, then random text (2520 steps, probes, their credit, a switch on and off), the
+    """Over random, then predictable, then random text (about 2500 steps, probes, their credit, a switch on and off), the
     controller plans the same depths and probes at the same steps as one that plans every step (``HOLD`` = 0), and
     ends with the same costs and credit; most of its plain steps were held.
 
@@ -68,21 +48,18 @@ def test_a_held_plain_decision_plans_as_planning_every_step_would(monkeypatch):
     assert drive(Controller(6), 40, text) != steps
 
 
-def test_most_plain_steps_are_held_where_drafting_does_not_pay():
+def test_most_plain_steps_are_held_where_drafting_does_not_pay(monkeypatch):
     """Random text: at least 3 in 4 plain steps are held (their plan a counter, their observation a list append).
     Negative control: with ``HOLD`` = 0 none is."""
 
-    def held_share(hold: int) -> float:
+    def held_share() -> float:
         controller, plans = Controller(6), []
         original = controller.plan
         controller.plan = lambda context, room: plans.append(original(context, room)) or plans[-1]
-        controller_module.HOLD, saved = hold, controller_module.HOLD
-        try:
-            drive(controller, 10, lambda request: 0.0)
-        finally:
-            controller_module.HOLD = saved
+        drive(controller, 10, lambda request: 0.0)
         plain = [plan for plan in plans if plan.depth == 0]
         return sum(plan is Controller.HELD for plan in plain) / len(plain)
 
-    assert held_share(controller_module.HOLD) >= 0.75
-    assert held_share(0) == 0.0
+    assert held_share() >= 0.75
+    monkeypatch.setattr(controller_module, "HOLD", 0)
+    assert held_share() == 0.0

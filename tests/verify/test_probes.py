@@ -5,14 +5,12 @@ from __future__ import annotations
 import random
 import statistics
 
-from law import linear_costs, simulate
+from law import PROMPT, TOKENS, linear_costs, requests, simulate
 
 from draftsmith.proposers.core.types import Draft, VerifyResult
 from draftsmith.verify import controller as controller_module
 from draftsmith.verify.controller import Controller
 from draftsmith.verify.probes import AFTERMATH, PROBE_BUDGET, ProbeLedger
-
-PROMPT, TOKENS = 960, 63  # the demo's long domain: each request feeds a drafter 960 positions before its first draft
 
 
 def share_lost(charge_aftermath: bool, steps: int = 4000, slower: float = 0.1) -> float:
@@ -62,35 +60,6 @@ def test_a_probe_s_aftermath_is_capped_and_ended_by_a_drafted_step():
     assert ledger._losses[-1] == 2.0  # the cap
     ledger.plain_step(9.0)  # outside the window
     assert ledger._losses[-1] == 2.0
-
-
-def requests(controller: Controller, count: int, accept, catch_up=(0.5, 0.005), seed: int = 0, prompt=lambda request: PROMPT,
-             costs=None):  # fmt: skip
-    """Drive ``controller`` over ``count`` requests of ``TOKENS`` tokens after a prompt of ``prompt(request)`` tokens
-    (``PROMPT``), on the clock ``costs`` (``linear_costs()``: a plain step costs 1): a drafted step first feeds its
-    drafter the positions it has not seen, at ``catch_up[0] + catch_up[1]`` per position (960: 5.3 plain steps). Each
-    node of a chain is accepted with ``accept(request)``. Yields (request, plan, seconds, tokens committed) per step."""
-    rng, costs = random.Random(seed), costs or linear_costs()
-    for request in range(count):
-        controller.start()
-        start = context = prompt(request)
-        fed = 0
-        while context < start + TOKENS:
-            plan = controller.plan(context=context, room=start + TOKENS - context)
-            draft = Draft.chain(list(range(plan.depth)), scores=[0.5] * plan.depth) if plan.depth else Draft.empty()
-            if plan.depth and plan.trims:
-                draft, _ = controller.trim(draft, context, True)
-            n = 0
-            while n < draft.num_nodes and rng.random() < accept(request):
-                n += 1
-            drafting, rest = costs(plan, draft)
-            if plan.depth and context - fed > 1:
-                drafting += catch_up[0] + catch_up[1] * (context - fed)
-            result = VerifyResult(list(range(n)), list(range(n)), 0, n < draft.num_nodes)
-            controller.observe(plan, draft, result, context, drafting, drafting + rest, True)
-            context += n + 1
-            fed = context if plan.depth else fed
-            yield request, plan, drafting + rest, n + 1
 
 
 def back_on_after(controller: Controller, off: int, seed: int, paid: int = 4, on: int = 24) -> float:
