@@ -308,8 +308,8 @@ class Controller(StepLearning):
         first = self.probe_every - self.plain_run  # the first held step whose plan would look for a probe
         if first > 0 and self.missed is None:  # an opening probe not looked at yet
             return min(HOLD, first - 1)
-        due = min(self.probes.plain_steps_before_due(self.plain_seconds) - 1, PROBE_CEILING - self.plain_run - 1)
-        return int(max(min(HOLD, max(first - 1, due)), 0))
+        quiet = min(self.probes.plain_steps_before_due(self.plain_seconds) - 1, PROBE_CEILING - self.plain_run - 1)
+        return int(max(min(HOLD, max(first - 1, quiet)), 0))  # before the first look, or while every look finds nothing due
 
     # -- 1. trim -------------------------------------------------------------------------
 

@@ -59,15 +59,18 @@ class ProbeLedger:
         if plain is not None:
             self.credit += PROBE_BUDGET * plain
 
+    def _shortfall(self) -> float:
+        """What the credit lacks to cover what the last probes lost beyond their catching up (<= 0: a probe is due)."""
+        return max(self.loss or 0.0, 0.0) - self.credit
+
     def due(self) -> bool:
         """Whether the credit covers what the last probes lost beyond their catching up (its cost comes off after)."""
-        return self.credit >= max(self.loss or 0.0, 0.0)
+        return self._shortfall() <= 0.0
 
     def plain_steps_before_due(self, plain: float | None) -> float:
         """How many more plain steps (at ``plain`` seconds each) leave the credit short of ``due``, and its loss as it is:
         none beyond the one whose observation settles a probe's aftermath (it moves both). Inf: nothing moves them."""
-        short = max(self.loss or 0.0, 0.0) - self.credit
-        accrued = math.ceil(short / (PROBE_BUDGET * plain)) - 1 if plain else math.inf
+        accrued = math.ceil(self._shortfall() / (PROBE_BUDGET * plain)) - 1 if plain else math.inf
         return min(accrued, AFTERMATH - 1 - self._after[0]) if self._after is not None else accrued
 
     def opens(self, catch_up: float, room: int, plain: float | None) -> bool:
