@@ -11,13 +11,12 @@ from draftsmith.verify.controller import Controller
 
 
 def drive(controller: Controller, count: int, accept) -> list[tuple[int, int, bool]]:
-    """(request, planned depth, probe) per step of ``law.requests`` (prompts of 200 tokens), the controller's snapshot
-    taken after each request as the decoder takes it."""
-    steps = []
-    for request, plan, _, _ in requests(controller, count, accept, catch_up=(0.2, 0.002), prompt=lambda request: 200):
-        if steps and request != steps[-1][0]:
-            controller.snapshot()
-        steps.append((request, plan.depth, plan.probe))
+    """(request, planned depth, probe) per step of ``law.requests`` (prompts of 200 tokens); each request's start learns
+    the last one's held steps, and a snapshot those of the last request."""
+    steps = [
+        (request, plan.depth, plan.probe)
+        for request, plan, _, _ in requests(controller, count, accept, catch_up=(0.2, 0.002), prompt=lambda request: 200)
+    ]
     controller.snapshot()
     return steps
 
