@@ -19,6 +19,7 @@ demo target, 64 new tokens, prompts as ``bench_controller`` builds and cuts them
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import tempfile
@@ -49,6 +50,15 @@ def settings(text: str) -> dict[str, float | int]:
         except ValueError:
             raise SystemExit(f"--kwargs / --baseline-kwargs: {item!r} is not name=number") from None
     return out
+
+
+def checked(cls, kwargs: dict, flag: str) -> tuple[type, dict]:
+    """``(cls, kwargs)`` where every name in ``kwargs`` is a keyword of ``cls`` (a revision's ``Controller``), else an error naming it."""
+    known = [name for name in inspect.signature(cls.__init__).parameters if name not in ("self", "max_depth", "max_width")]
+    bad = [name for name in kwargs if name not in known]
+    if bad:
+        raise SystemExit(f"{flag}: {bad} not among that Controller's settings {known}")
+    return cls, kwargs
 
 
 def cell(target, tokenizer, config: dict, prompts: list[torch.Tensor], controllers: dict, repeats: int) -> dict[str, list[float]]:
@@ -97,7 +107,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         written = build_domains(heldout_documents(DEMO_TARGET), Path(folder) / "domains", args.prompts, 4 * 128, 6 * (1024 - NEW_TOKENS))
         old = baseline_module(args.baseline, Path(folder))
-        controllers = {"this": (current.Controller, settings(args.kwargs)), "baseline": (old.Controller, settings(args.baseline_kwargs))}
+        controllers = {
+            "this": checked(current.Controller, settings(args.kwargs), "--kwargs"),
+            "baseline": checked(old.Controller, settings(args.baseline_kwargs), "--baseline-kwargs"),
+        }
         print(f"| method | domain | this tree | {args.baseline} {args.baseline_kwargs} | this / baseline |")
         print("|---|---|---:|---:|---:|")
         for method in args.methods.split(","):
