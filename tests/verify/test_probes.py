@@ -78,11 +78,12 @@ def back_on_after(controller: Controller, off: int, seed: int, paid: int = 4, on
 def test_a_long_prompt_s_catching_up_holds_a_drafter_that_pays_off_for_less_long():
     """A drafter that paid, turned off by 6 to 21 requests of random text whose first draft feeds it 960 positions (5.3
     plain steps), then predictable text again: over 48 switches (3 seeds each), the plain steps until it is on again
-    have a median of at most 480 (370 here): a probe's catching up is charged after it, not saved for before it, and
-    not at all when what its second step won repays it over the request's rest. Negative control: a probe that waits
-    for the credit to cover its catching up too, and is always charged it (the rule before), waits a median of at
-    least 650 (727 here). Both are budget-bound: a probe that catches up 960 positions of random text costs some 6
-    plain steps, which the 1% credit takes 600 plain steps to win back."""
+    have a median of at most 480 (446 here; 370 exploring every 16 drafted steps): a probe's catching up is charged
+    after it, not saved for before it, and not at all when what its second step won repays it over the request's
+    rest. Negative control: a probe that waits for the credit to cover its catching up too, and is always charged it
+    (the rule before), waits a median of at least 650 (838 here; 727 exploring every 16). Both are budget-bound: a
+    probe that catches up 960 positions of random text costs some 6 plain steps, which the 1% credit takes 600 plain
+    steps to win back."""
 
     def before() -> Controller:
         controller = Controller(6)
