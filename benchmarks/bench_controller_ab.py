@@ -1,7 +1,7 @@
 """This tree's speculation controller against another revision's (or other settings), interleaved on the demo's prompts.
 
     python -m benchmarks.bench_controller_ab --baseline REV [--methods eagle1,eagle2,eagle3] [--domains code,prose]
-        [--prompts 16] [--repeats 2] [--baseline-kwargs explore_every=16] [--kwargs ...] [--json FILE]
+        [--prompts 16] [--repeats 2] [--baseline-kwargs explore_every=16] [--kwargs ...] [--depth 32] [--json FILE]
 
 A change of policy worth 1-2% is lost between two runs of ``bench_controller`` (a request's
 time moves 12-19% from run to run on this VM), so both controllers decode the same prompts in
@@ -13,7 +13,8 @@ its time), the two controllers' order alternating prompt by prompt. Each control
 across its domain's requests, as in an evaluation. Per cell: each controller's median
 speedup and the median of the per-request ratios (this tree over the baseline); at the foot
 their median and mean over the cells, and how many cells reach 1.0. One thread, the shipped
-demo target, 64 new tokens, prompts as ``bench_controller`` builds and cuts them (128 tokens; 960 on ``long``).
+demo target (``--depth``: padded as ``bench_controller`` pads it), 64 new tokens, the domains and
+prompts ``bench_controller`` builds (its ``setup``) and the evaluation loads (128 tokens; 960 on ``long``).
 """
 
 from __future__ import annotations
@@ -25,19 +26,19 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
+from benchmarks.bench_controller import setup
 from benchmarks.bench_controller_cost import baseline_module
 from draftsmith.proposers import load_proposer
-from draftsmith.training.demo.run import heldout_documents
 from draftsmith.verify import SpeculativeDecoder, load_target
 from draftsmith.verify import controller as current
-from draftsmith.verify.evaluation.demo import DEMO_PROPOSERS, DEMO_TARGET, build_domains, trained_drafts
-from draftsmith.verify.evaluation.domains import load_domain
+from draftsmith.verify.evaluation.demo import DEMO_PROPOSERS, DEMO_TARGET, trained_drafts
+from draftsmith.verify.evaluation.evaluate import load_prompts
 
 NEW_TOKENS = 64
-PROMPT_TOKENS = {"long": 1024 - NEW_TOKENS}  # as ``bench_controller`` cuts them; 128 elsewhere
 
 
 def settings(text: str) -> dict[str, float | int]:
@@ -95,17 +96,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--kwargs", default="", help="this tree's Controller keyword arguments, name=number,...")
     parser.add_argument("--baseline-kwargs", default="", help="the baseline's, the same way")
+    parser.add_argument("--depth", type=int, default=0, help="pad the demo target to this many layers (0: as shipped)")
+    parser.add_argument("--output", default="outputs/bench/controller_ab", help="its domain files (and padded target)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    args.new_tokens = NEW_TOKENS
     torch.set_num_threads(1)
-    target, tokenizer = load_target(DEMO_TARGET)
-    configs = {**DEMO_PROPOSERS, **trained_drafts(DEMO_TARGET)}
+    try:
+        path, domains, configs = setup(args)  # ``bench_controller``'s domain files and shipped configs
+    except KeyError as missing:
+        raise SystemExit(f"--domains: {missing} is not a demo domain (code, prose, copy, long, repeat, mixed, chat)") from None
     unknown = [m for m in args.methods.split(",") if m not in configs]
     if unknown:
-        raise SystemExit(f"--methods: {unknown} not among the demo's methods {sorted(configs)}")
+        known = sorted({**DEMO_PROPOSERS, **trained_drafts(DEMO_TARGET)})
+        raise SystemExit(f"--methods: {unknown} not among the demo's methods {known}")
+    target, tokenizer = load_target(path)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        written = build_domains(heldout_documents(DEMO_TARGET), Path(folder) / "domains", args.prompts, 4 * 128, 6 * (1024 - NEW_TOKENS))
         old = baseline_module(args.baseline, Path(folder))
         controllers = {
             "this": checked(current.Controller, settings(args.kwargs), "--kwargs"),
@@ -113,12 +120,12 @@ def main() -> None:
         }
         print(f"| method | domain | this tree | {args.baseline} {args.baseline_kwargs} | this / baseline |")
         print("|---|---|---:|---:|---:|")
+        prompts_of = {}  # each domain's prompts, as an evaluation loads them, once for every method
+        for domain, file in domains.items():
+            wanted = SimpleNamespace(domains={domain: file}, num_prompts=args.prompts, prompt_tokens=128, max_new_tokens=NEW_TOKENS)
+            prompts_of[domain] = [prompt.input_ids for prompt in load_prompts(wanted, target, tokenizer)]
         for method in args.methods.split(","):
-            for domain in args.domains.split(","):
-                if domain not in written:
-                    raise SystemExit(f"--domains: {domain!r} not among {sorted(written)}")
-                tokens = PROMPT_TOKENS.get(domain, 128)
-                prompts = [p.input_ids for p in load_domain(domain, written[domain], tokenizer, args.prompts, tokens, 1024)]
+            for domain, prompts in prompts_of.items():
                 speedups = cell(target, tokenizer, configs[method], prompts, controllers, args.repeats)
                 ratio = statistics.median(a / b for a, b in zip(speedups["this"], speedups["baseline"], strict=True))
                 this, base = (statistics.median(speedups[k]) for k in ("this", "baseline"))
