@@ -64,18 +64,19 @@ PROMPT, TOKENS = 960, 63  # ``requests``: the demo's long domain, whose requests
 
 
 def requests(controller: Controller, count: int, accept, catch_up=(0.5, 0.005), seed: int = 0, prompt=lambda request: PROMPT,
-             costs=None):  # fmt: skip
-    """Drive ``controller`` over ``count`` requests of ``TOKENS`` tokens after a prompt of ``prompt(request)`` tokens
+             costs=None, tokens: int = TOKENS, cold=(0, 0.0)):  # fmt: skip
+    """Drive ``controller`` over ``count`` requests of ``tokens`` tokens after a prompt of ``prompt(request)`` tokens
     (``PROMPT``), on the clock ``costs`` (``linear_costs()``: a plain step costs 1): a drafted step first feeds its
-    drafter the positions it has not seen, at ``catch_up[0] + catch_up[1]`` per position (960: 5.3 plain steps). Each
-    node of a chain is accepted with ``accept(request)``. Yields (request, plan, seconds, tokens committed) per step."""
+    drafter the positions it has not seen, at ``catch_up[0] + catch_up[1]`` per position (960: 5.3 plain steps); a
+    request's first ``cold[0]`` steps cost ``cold[1]`` more (its prefill's aftermath). Each node of a chain is accepted
+    with ``accept(request)``. Yields (request, plan, seconds, tokens committed) per step."""
     rng, costs = random.Random(seed), costs or linear_costs()
     for request in range(count):
         controller.start()
         start = context = prompt(request)
-        fed = 0
-        while context < start + TOKENS:
-            plan = controller.plan(context=context, room=start + TOKENS - context)
+        fed = step = 0
+        while context < start + tokens:
+            plan = controller.plan(context=context, room=start + tokens - context)
             draft = Draft.chain(list(range(plan.depth)), scores=[0.5] * plan.depth) if plan.depth else Draft.empty()
             if plan.depth and plan.trims:
                 draft, _ = controller.trim(draft, context, True)
@@ -83,6 +84,7 @@ def requests(controller: Controller, count: int, accept, catch_up=(0.5, 0.005), 
             while n < draft.num_nodes and rng.random() < accept(request):
                 n += 1
             drafting, rest = costs(plan, draft)
+            rest, step = rest + (cold[1] if step < cold[0] else 0.0), step + 1
             if plan.depth and context - fed > 1:
                 drafting += catch_up[0] + catch_up[1] * (context - fed)
             result = VerifyResult(list(range(n)), list(range(n)), 0, n < draft.num_nodes)

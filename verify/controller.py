@@ -43,7 +43,8 @@ itself while it decodes and decides per step:
    amount, and no depth is priced above a deeper one. Costs are learnt at one speed of the
    machine (``MachineSpeed``: every step's rest against a plain step's learnt cost and its
    rows'), so a plain step measured in a slow request does not price the drafted steps of a
-   fast one; a plain step's price leaves out the estimates recomputed in its plan.
+   fast one; a plain step's price leaves out the estimates recomputed in its plan, and no price
+   comes from a long request's first two steps (its prefill's aftermath: ``COLD_STEPS``).
 
 A proposer that stopped paying is asked again now and then (a probe: two drafted steps in a
 row, as often as a credit of 1% of the plain steps' time covers what probes lose, so they
@@ -72,7 +73,7 @@ from draftsmith.proposers.core.types import Draft, StopRule, VerifyResult
 
 from .calibration import CONFIDENCE_EDGES, DEPTH_BUCKETS, SLOTS, Calibration, bin_of
 from .estimates import MachineSpeed, RobustLine, RowsCurve, ShapeEstimates
-from .learning import PAUSE_BOUND, StepLearning
+from .learning import COLD_ROOM, COLD_STEPS, PAUSE_BOUND, StepLearning
 from .probes import ProbeLedger
 
 DEFAULT_DEPTH = 8  # planned depths for a proposer that states no limit
@@ -115,9 +116,8 @@ class Controller(StepLearning):
         decay: how much the acceptance side forgets per drafted step (0.95: a window of ~20 steps; a
             shorter one dips below the bar by chance, and a drafter that is off is asked again by probes only).
         probe_every: the fewest plain steps between probes (what they may lose sets the rest: ``verify.probes``).
-        explore_every: drafted steps between probes of the planned depth's neighbourhood (one
-            depth deeper, or the other shape, and the whole draft verified so that the
-            calibration sees what a trim hides; 16 ran 0.6% slower on the demo's heads).
+        explore_every: drafted steps between probes of the planned depth's neighbourhood (one depth deeper, or the
+            other shape, the whole draft verified: the calibration sees what a trim hides; 16 ran 0.6% slower on the demo's heads).
     """
 
     PLAIN = Plan(0)  # a plain step's plan, one instance
@@ -153,7 +153,8 @@ class Controller(StepLearning):
         self._cut: tuple[Draft, Draft, list[int]] | None = None  # the last trim's (trimmed, whole draft, kept nodes) where it cut
         self._plans: dict[tuple[int, int, bool, bool], Plan] = {}  # (depth, shape, probe, whole) -> its plan (``_plan``)
         self._headroom = float("inf")  # how far (log) that cost may move before a plain decision of theirs could turn (``_decide``)
-        self._held, self._held_steps = 0, []  # plain steps the last plain decision still holds; the held ones' (seconds, tokens)
+        self._held, self._held_steps = 0, []  # plain steps the last plain decision still holds; the held ones' (seconds, tokens, cold)
+        self.cold: int | None = 0  # this request's steps still in its prefill's aftermath (None: its first plan decides)
 
     # -- costs ---------------------------------------------------------------------------
 
@@ -163,7 +164,7 @@ class Controller(StepLearning):
         A probe cut short by the last request's end is settled on its first step (a second would catch up a new prompt).
         """
         self._learn_held()  # the last request's steps
-        self.missed, self._held = None, 0
+        self.missed, self._held, self.cold = None, 0, None
         self.probes.request_end(self.plain_seconds)
         if self.probe_pending:
             self.probe_pending, self._estimates = False, None
@@ -180,6 +181,8 @@ class Controller(StepLearning):
             return self.HELD
         if self._held_steps:
             self._learn_held()
+        if self.cold is None:  # a long request's first steps price nothing; a short one's are its typical steps
+            self.cold = COLD_STEPS if room >= COLD_ROOM else 0
         deepest, self._refreshed = min(self.max_depth, room), 0.0
         if self._estimates is None:
             if self._pending:
@@ -270,8 +273,8 @@ class Controller(StepLearning):
         if self.probe_pending:  # a probe is two drafted steps in a row: the second one's drafting is no catch-up, so it is measured
             self.probe_pending = False
             return self._plan(drafting, shape, probe=True)
-        if best and self.since_plain >= PLAIN_EVERY:
-            return self.PLAIN  # keep the plain cost measured: the first step, then now and then
+        if best and self.since_plain >= PLAIN_EVERY and (not self.cold or self.plain_seconds is None):
+            return self.PLAIN  # keep the plain cost measured (by a step out of the prefill's aftermath): the first, then now and then
         if best == 0:
             self.plain_run += 1
             self.probes.accrue(self.plain_seconds)
@@ -384,12 +387,13 @@ class Controller(StepLearning):
                 temperature > 0 the children of a node are tested in order up to the accepted one.
         """
         tick = time.perf_counter()
+        cold, self.cold = bool(self.cold), max((self.cold or 0) - 1, 0)  # the prefill's aftermath: its costs teach nothing
         if plan.depth == 0:  # recomputing the estimates after drafted steps is drafting's work, not a plain step's
             tokens = len(result.accepted_tokens) + 1  # the step's committed tokens (no list built)
             if plan is self.HELD:  # learnt from with the hold's other steps, in order (``_learn_held``)
-                self._held_steps.append((step_seconds - draft_seconds, tokens))
+                self._held_steps.append((step_seconds - draft_seconds, tokens, cold))
             else:
-                self._observe_plain(step_seconds - self._refreshed - draft_seconds, tokens)
+                self._observe_plain(step_seconds - self._refreshed - draft_seconds, tokens, cold)
             self.seconds += time.perf_counter() - tick
             return
         speed, plain = self.speed.factor, self.plain_seconds
@@ -398,8 +402,8 @@ class Controller(StepLearning):
         if plain is not None:  # a pause of the machine is not a cost: n + 1 rows take at most n + 1 plain steps
             nodes = draft.num_nodes  # what its rows add, as learnt (the rows curve's table: an empty draft's step is a plain one)
             rows = 0.0 if not nodes else self.rows.table(nodes)[0][nodes] if self.rows.points() else None  # none add nothing
-            self.speed.update(rest * speed, None if rows is None else plain + rows)
-            rest = min(rest, PAUSE_BOUND * plain * (nodes + 1))
+            self.speed.update(rest * speed, None if rows is None or cold else plain + rows)
+            rest, plain = min(rest, PAUSE_BOUND * plain * (nodes + 1)), None if cold else plain  # a cold step prices no rows
         self.observed += 1
         self.since_plain += 1
         missed, self.missed = (context if self.missed is None else self.missed), 0
@@ -407,7 +411,7 @@ class Controller(StepLearning):
         cut, self._cut = self._cut, None  # the trim's, where it cut this very draft; the next token tests what it cut
         cut = (cut[1], cut[2], result.next_token) if cut is not None and cut[0] is draft and (greedy or not result.recovered) else None
         self._pending.append((plan, draft.parent_list, draft.depth_list, draft.scores, draft.source or "", result.accepted_nodes,
-                              missed, draft_seconds, rest, self.plain_seconds, self.drafted_steps, greedy, calibrate, cut))  # fmt: skip
+                              missed, draft_seconds, rest, plain, self.drafted_steps, greedy, calibrate, cut))  # fmt: skip
         every = REFRESH_EVERY if self.observed > 2 * REFRESH_EVERY else 2  # often while the estimates are young
         priced = self._estimates[plan.shape][1][plan.depth] if self._estimates is not None else None
         dear = priced is not None and step_seconds > SURPRISE * priced

@@ -17,20 +17,35 @@ from .probes import AFTERMATH
 
 PLAIN_DRIFT = 0.02  # how far (relative) a plain step's cost moves before the estimates are recomputed for it, at least
 PAUSE_BOUND = 2.0  # a step's rest beyond this many plain steps per verified row is counted as this many (a pause, not a cost)
+COLD_STEPS = 2  # a request's first steps run in its prefill's aftermath (on this CPU ~20% and ~5% dearer): they price nothing
+COLD_ROOM = 16  # ... in a request with this many depths of room at its first plan (in a shorter one they are its typical steps)
 
 
 class StepLearning:
     """The learning half of ``Controller`` (its state is the controller's: see its ``__init__``)."""
 
-    def _observe_plain(self, seconds: float, tokens: int) -> None:
-        """Learn from a plain step that took ``seconds`` (the plan's recomputation left out) and committed ``tokens``."""
+    provisional = False  # whether the plain step's price comes from cold steps only (the first warm one replaces it)
+
+    def _observe_plain(self, seconds: float, tokens: int, cold: bool = False) -> None:
+        """Learn from a plain step that took ``seconds`` (the plan's recomputation left out) and committed ``tokens``.
+
+        A ``cold`` step (one of a long request's first ``COLD_STEPS``) pays for the prefill
+        before it, as a drafted step there would: not a plain step's price, nor a change of
+        speed. Only where no price is known does it set one, provisionally: the first plain
+        step out of a prefill's aftermath replaces it (``_explore`` plans one there).
+        """
         speed, plain = self.speed.factor, self.plain_seconds
         rest = max(seconds / speed, 1e-6)  # at the speed the costs were learnt at
+        if cold and plain is not None:
+            if self.missed is not None:
+                self.missed += tokens
+            self.probes.plain_step(plain)  # no excess for a probe's aftermath either
+            return
         if plain is not None:
             if self.missed is None or self.missed >= AFTERMATH:  # what a draft slows after it is drafting's cost
                 self.speed.update(rest * speed, plain)
             rest = min(rest, PAUSE_BOUND * plain)  # a pause of the machine is not a cost
-        self.plain_seconds, self._stop = average(plain, rest), None
+        self.plain_seconds, self._stop = average(None if self.provisional else plain, rest), None
         if self._estimates is not None and (  # the estimates follow a plain step's cost only when it has moved
             not self._estimated_plain or abs(math.log(self.plain_seconds / self._estimated_plain)) > max(PLAIN_DRIFT, self._headroom)
         ):
@@ -38,7 +53,9 @@ class StepLearning:
         if self.missed is not None:
             self.missed += tokens
         self.probes.plain_step(rest)
-        self.since_plain = 0
+        self.provisional = cold
+        if not cold:
+            self.since_plain = 0
 
     def _learn_held(self) -> None:
         """Learn from the steps a plain decision held, in order, as their plans and ``observe`` would have one by one.
@@ -47,10 +64,10 @@ class StepLearning:
         target forwards ran in cold ones (some 15 us a plain step, a percent of the demo target's step).
         """
         steps, self._held_steps = self._held_steps, []
-        for seconds, tokens in steps:
+        for seconds, tokens, cold in steps:
             self.plain_steps, self.plain_run = self.plain_steps + 1, self.plain_run + 1
             self.probes.accrue(self.plain_seconds)
-            self._observe_plain(seconds, tokens)
+            self._observe_plain(seconds, tokens, cold)
 
     def _learn_pending(self) -> None:
         """Learn from the drafted steps observed since the last time, in order: their costs, depths and calibration.
