@@ -17,7 +17,7 @@ from .probes import AFTERMATH
 
 PLAIN_DRIFT = 0.02  # how far (relative) a plain step's cost moves before the estimates are recomputed for it, at least
 PAUSE_BOUND = 2.0  # a step's rest beyond this many plain steps per verified row is counted as this many (a pause, not a cost)
-COLD_STEPS = 2  # a request's first steps run in its prefill's aftermath (on this CPU ~20% and ~5% dearer): they price nothing
+COLD_STEPS = 2  # a request's first steps run in its prefill's aftermath (on this CPU ~22% and ~7% dearer): they price nothing
 COLD_ROOM = 16  # ... in a request with this many depths of room at its first plan (in a shorter one they are its typical steps)
 
 
