@@ -79,10 +79,10 @@ from .probes import ProbeLedger
 DEFAULT_DEPTH = 8  # planned depths for a proposer that states no limit
 REFRESH_EVERY = 8  # drafted steps between recomputations of the plan's estimates (they move slowly)
 SURPRISE = 3.0  # a drafted step dearer than this many times its estimate has the estimates recomputed at once
-PLAIN_EVERY = 64  # drafted steps between plain steps that keep the plain cost measured (the first step is one)
+PLAIN_EVERY = 64  # drafted steps between plain steps that keep the plain cost measured (the first step past the cold ones is one)
 HOLD = 8  # plain steps a plain decision holds without planning, learnt from in one pass after (fewer where a probe may come)
 PROBE_CEILING = 1000  # plain steps in a row after which a proposer is probed whatever its estimated catching up costs
-MARGIN = 0.02  # drafting must promise this much more than plain decoding, as measured: a tie is noise
+MARGIN = 0.05  # drafting must promise this much more than plain decoding: a tie is noise, and drafting's variance is not free
 
 
 @dataclass(frozen=True)
