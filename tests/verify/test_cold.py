@@ -10,7 +10,7 @@ from draftsmith.verify.controller import Controller
 
 def plain_price(count: int, accept: float, tokens: int = 63) -> tuple[float, int]:
     """(the plain step's price, the steps drafted) after ``count`` requests whose first two steps cost 0.3 plain steps more
-    (on this CPU a request's first step after its prefill costs ~20% more than the rest, the second ~5%)."""
+    (on this CPU a request's first step after its prefill costs ~22% more than the rest, the second ~7%)."""
     controller = Controller(4)
     drafted = sum(
         plan.depth > 0
