@@ -20,7 +20,6 @@ prompts ``bench_controller`` builds (its ``setup``) and the evaluation loads (12
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import statistics
 import tempfile
@@ -33,6 +32,8 @@ import torch
 from benchmarks.bench_controller import setup
 from benchmarks.bench_controller_cost import baseline_module
 from draftsmith.proposers import load_proposer
+from draftsmith.proposers.core.config import apply_overrides, build
+from draftsmith.proposers.core.errors import ConfigError
 from draftsmith.verify import SpeculativeDecoder, load_target
 from draftsmith.verify import controller as current
 from draftsmith.verify.evaluation.demo import DEMO_PROPOSERS, DEMO_TARGET, trained_drafts
@@ -42,23 +43,27 @@ NEW_TOKENS = 64
 
 
 def settings(text: str) -> dict[str, float | int]:
-    """``name=value,...`` as keyword arguments of ``Controller`` (numbers only): ``explore_every=16,decay=0.9``."""
-    out: dict[str, float | int] = {}
-    for item in filter(None, text.split(",")):
-        name, _, value = item.partition("=")
-        try:
-            out[name.strip()] = int(value) if value.strip().lstrip("-").isdigit() else float(value)
-        except ValueError:
-            raise SystemExit(f"--kwargs / --baseline-kwargs: {item!r} is not name=number") from None
-    return out
+    """``name=value,...`` as keyword arguments of ``Controller`` (numbers only): ``explore_every=16,decay=0.9``.
+
+    Parsed as the CLI's ``key=value`` overrides are (``proposers.core.config.apply_overrides``).
+    """
+    try:
+        values = apply_overrides({}, [item for item in text.split(",") if item])
+    except ConfigError as error:
+        raise SystemExit(f"--kwargs / --baseline-kwargs: {error}") from None
+    bad = [f"{name}={value}" for name, value in values.items() if isinstance(value, bool) or not isinstance(value, (int, float))]
+    if bad:
+        raise SystemExit(f"--kwargs / --baseline-kwargs: {bad} not name=number")
+    return values
 
 
 def checked(cls, kwargs: dict, flag: str) -> tuple[type, dict]:
-    """``(cls, kwargs)`` where every name in ``kwargs`` is a keyword of ``cls`` (a revision's ``Controller``), else an error naming it."""
-    known = [name for name in inspect.signature(cls.__init__).parameters if name not in ("self", "max_depth", "max_width")]
-    bad = [name for name in kwargs if name not in known]
-    if bad:
-        raise SystemExit(f"{flag}: {bad} not among that Controller's settings {known}")
+    """``(cls, kwargs)`` where ``kwargs`` are settings of ``cls`` (a revision's ``Controller``) of the types it takes, else an
+    error naming them: checked as a config's keys are (``proposers.core.config.build``), by building one."""
+    try:
+        build(cls, kwargs, flag, inject={"max_depth": None, "max_width": 1})
+    except ConfigError as error:
+        raise SystemExit(str(error)) from None
     return cls, kwargs
 
 
