@@ -13,9 +13,8 @@ itself while it decodes and decides per step:
    shape's steps drafted at least d deep whose accepted path reached depth d, against the
    seconds its steps planned at D took (drafting, and the rest of the step: the target's
    forward of their rows, the sampler, the commit), measured per depth and carried to the
-   depths not yet measured by what their rows add and the cost of a level
-   (``verify.estimates``); the best rate wins, plain decoding (one token per plain step)
-   included.
+   depths not yet measured by what their rows add and the cost of a level (``verify.estimates``);
+   the best rate wins, plain decoding (one token per plain step) included.
 1. trim (after, with the draft's own values): each node's chance to be accepted is its
    calibrated confidence (``Draft.scores``, binned per source and depth, learned from
    every verification) times its parent's; the nodes are kept best first as far as the best
@@ -154,7 +153,8 @@ class Controller(StepLearning):
         self._plans: dict[tuple[int, int, bool, bool], Plan] = {}  # (depth, shape, probe, whole) -> its plan (``_plan``)
         self._headroom = float("inf")  # how far (log) that cost may move before a plain decision of theirs could turn (``_decide``)
         self._held, self._held_steps = 0, []  # plain steps the last plain decision still holds; the held ones' (seconds, tokens, cold)
-        self.cold: int | None = 0  # this request's steps still in its prefill's aftermath (None: its first plan decides)
+        self.cold: int | None = 0  # this request's steps in its prefill's aftermath (None: its first plan decides)
+        self.provisional = False  # whether the plain step's price is a cold step's (the first warm one replaces it)
 
     # -- costs ---------------------------------------------------------------------------
 

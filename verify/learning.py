@@ -24,8 +24,6 @@ COLD_ROOM = 16  # ... in a request with this many depths of room at its first pl
 class StepLearning:
     """The learning half of ``Controller`` (its state is the controller's: see its ``__init__``)."""
 
-    provisional = False  # whether the plain step's price comes from cold steps only (the first warm one replaces it)
-
     def _observe_plain(self, seconds: float, tokens: int, cold: bool = False) -> None:
         """Learn from a plain step that took ``seconds`` (the plan's recomputation left out) and committed ``tokens``.
 
