@@ -10,9 +10,10 @@ timings). Then replays those calls on fresh controllers of this tree and of ``--
 and prints the median microseconds per step of each, their ratio, and whether both planned
 and trimmed alike. The replay times the controller alone (no model, no proposer), so the
 machine's noise in a decoding run is out of it; the decisions a replay makes are its own,
-while the drafts and outcomes it observes are the recording's. A plain step's price leaves
-out the estimates' recomputation as the replay times it, so two replays of the same code may
-plan apart now and then (MTP: 1 of 3 runs against its own revision).
+while the drafts and outcomes it observes are the recording's. Whether both decide alike is
+read from one more replay of each with the controller's clock stopped (``frozen_decisions``):
+a plain step's price leaves out the estimates' recomputation as the controller times it, so
+timed replays of the same code may plan apart now and then.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import astuple
+from dataclasses import astuple, fields
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import torch
 
@@ -81,18 +82,62 @@ def record(target, tokenizer, config: dict, prompts: list[torch.Tensor]) -> tupl
     return shape, calls
 
 
+def as_module_plans(module: ModuleType, calls: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
+    """``calls`` with each observed ``Plan`` made of ``module``'s class (its ``PLAIN`` for a plain one): before the clock starts.
+
+    A controller tells a plain step its own plan held (``Controller.HELD``) by identity, so a
+    recorded plan of this tree's module reads as a planned plain step to another revision's
+    controller; ``replay`` hands a plain step the replaying controller's own plain plan.
+    """
+    plain = getattr(module.Controller, "PLAIN", None) or module.Plan(0)
+    translated = []
+    for name, args in calls:
+        if name == "observe":
+            plan = args[0]
+            known = {f.name: getattr(plan, f.name) for f in fields(module.Plan) if hasattr(plan, f.name)}  # an older Plan has fewer fields
+            plan = plain if plan.depth == 0 else module.Plan(**known)
+            args = (plan, *args[1:])
+        translated.append((name, args))
+    return translated
+
+
 def replay(module: ModuleType, shape: tuple[int, int], calls: list[tuple[str, tuple]]) -> tuple[float, list]:
-    """(seconds for the whole replay, what each plan and trim returned); the outcomes are converted for comparison after the clock stops."""
+    """(seconds for the whole replay, what each plan and trim returned); the outcomes are converted for comparison after the clock stops.
+
+    ``calls`` as ``as_module_plans`` made them for ``module``. A plain step is observed with the
+    plain plan this controller returned for it (its held one, where it held the step), a drafted
+    step with the recorded plan: the draft and its outcome are the recording's.
+    """
     controller = module.Controller(*shape)
     outcomes = []
+    planned = None
     tick = time.perf_counter()
     for name, args in calls:
+        if name == "observe" and args[0].depth == 0 and planned is not None and planned.depth == 0:
+            args = (planned, *args[1:])
         out = getattr(controller, name)(*args)
+        if name == "plan":
+            planned = out
         if name == "plan" or name == "trim":
             outcomes.append(out)
     spent = time.perf_counter() - tick
     # each revision has its own Plan class: compare the fields; a trim by the nodes it kept
     return spent, [astuple(out) if not isinstance(out, tuple) else out[1] for out in outcomes]
+
+
+def frozen_decisions(module: ModuleType, shape: tuple[int, int], calls: list[tuple[str, tuple]]) -> list:
+    """What each plan and trim of a replay returned with the controller's clock stopped (untimed).
+
+    A plain step's price leaves out the estimates' recomputation as the controller times it,
+    so a replay's plans move with its own timing; with the clock stopped, the same code plans
+    the same on the same calls, and two revisions that decide alike compare equal.
+    """
+    clock = module.time
+    module.time = SimpleNamespace(perf_counter=lambda: 0.0)
+    try:
+        return replay(module, shape, calls)[1]
+    finally:
+        module.time = clock
 
 
 def main() -> None:
@@ -122,14 +167,13 @@ def main() -> None:
             shape, calls = record(target, tokenizer, configs[method], prompts)
             steps = sum(name == "observe" for name, _ in calls)
             seconds: dict[str, list[float]] = {"baseline": [], "current": []}
-            decisions = {}
+            translated = {"baseline": as_module_plans(old, calls), "current": as_module_plans(current, calls)}
             for repeat in range(args.repeats):
                 order = [("baseline", old), ("current", current)]
                 for label, module in order if repeat % 2 else order[::-1]:
-                    spent, decisions[label] = replay(module, shape, calls)
-                    seconds[label].append(spent / steps)
+                    seconds[label].append(replay(module, shape, translated[label])[0] / steps)
             before, after = (1e6 * statistics.median(seconds[k]) for k in ("baseline", "current"))
-            same = decisions["baseline"] == decisions["current"]
+            same = frozen_decisions(old, shape, translated["baseline"]) == frozen_decisions(current, shape, translated["current"])
             rows.append({"method": method, "steps": steps, "baseline_us": before, "current_us": after, "same_decisions": same})
             print(f"| {method} | {steps} | {before:.1f} | {after:.1f} | {after / before:.2f} | {'yes' if same else 'no'} |")
     if args.json:
