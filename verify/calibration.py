@@ -81,9 +81,8 @@ def cut_children(draft: Draft, kept: list[int], token: int, accepted: list[int])
     tree's first cut child; a later sibling's test would have drawn from what the earlier ones
     left, which this reads as the whole distribution). So the nodes a trim cut below the
     path's end are tested for free: the calibration counts them (bins a trim cuts are otherwise
-    seen only by whole drafts), and where one matches, the path reached one depth deeper than
-    verified and what lay below is unknown, not missed (counted as missed, the cuts of an
-    under-confident drafter's deep nodes priced its deep depths low and kept the plan shallow).
+    seen only by whole drafts), so a trim that cuts nodes which would pass learns to keep them.
+    The plan's shares count only what the step verified (``ShapeEstimates.learn_depths``).
     """
     end, scores = (kept[accepted[-1]] if accepted else -1), draft.scores  # where the accepted path ends, before the trim
     if draft.is_chain():  # a chain's trim keeps a prefix: its one child is the first node cut, if any

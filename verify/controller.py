@@ -10,7 +10,8 @@ itself while it decodes and decides per step:
    plain step, and the shape: a chain, or the proposer's own tree where it drafts trees
    (``Proposer.draft_width`` > 1; ``ProposeContext.max_width`` tells it). For each shape
    and depth D it expects ``1 + sum_{d <= D} u_d`` tokens, u_d the recent share of that
-   shape's steps drafted at least d deep whose accepted path reached depth d, against the
+   shape's steps planned at least d deep whose verified path reached depth d (a depth their trim
+   or stop left out counts as not reached: the plan prices what its steps deliver), against the
    seconds its steps planned at D took (drafting, and the rest of the step: the target's
    forward of their rows, the sampler, the commit), measured per depth and carried to the
    depths not yet measured by what their rows add and the cost of a level (``verify.estimates``);
@@ -18,13 +19,13 @@ itself while it decodes and decides per step:
 1. trim (after, with the draft's own values): each node's chance to be accepted is its
    calibrated confidence (``Draft.scores``, binned per source and depth, learned from
    every verification) times its parent's; the nodes are kept best first as far as the best
-   rate of tokens per second reaches, k nodes costing what k nodes add on the rows curve.
-   Only where it keeps the target's law exactly: at temperature 0, or for deterministic
-   drafts (point masses, whose verification is exact however they were chosen). A sampled
-   tree is never cut by its own drawn values. The step's next token tests what a trim cut
-   below the accepted path's end (``cut_children``): learnt, not counted as misses. While
-   drafting, a proposer of such drafts may leave unexpanded a node the trim would cut
-   whatever else the draft holds (``stop_rule``).
+   rate of tokens per second reaches, k nodes costing what k nodes add on the rows curve, the
+   step's drafting (as priced) spent. Only where it keeps the target's law exactly: at
+   temperature 0, or for deterministic drafts (point masses, whose verification is exact
+   however they were chosen). A sampled tree is never cut by its own drawn values. The step's
+   next token tests what a trim cut below the accepted path's end (``cut_children``): the
+   calibration counts it. While drafting, a proposer of such drafts may leave unexpanded a
+   node the trim would cut whatever else the draft holds (``stop_rule``).
 2. observe: the step's seconds update the running costs of its planned depth (or of a
    plain step) and what its rows added beyond a plain step (``RowsCurve``: an average per
    size of draft, joined into a non-decreasing curve); the outcome updates u_d, the rows
@@ -32,29 +33,22 @@ itself while it decodes and decides per step:
    every ``REFRESH_EVERY`` drafted steps, and at once after a probe or a surprising step;
    ``verify.learning``). A plain decision holds the next ``HOLD`` plain steps (fewer where a
    probe could come due): they are not planned, and are learnt from in one pass after.
-   The averages follow the context as it grows. A pause of the machine is not a cost: a
-   step's rest counts as at most ``PAUSE_BOUND`` plain steps per verified row, one probe's
-   loss (with what it slows the plain steps after it) as at most
-   ``verify.probes.PROBE_LOSS_CAP`` steps (a plain one and its drafting as priced), and the
-   next probe is priced at the median of the last few, so probes follow each other at most
-   some 400 plain steps apart (plus their catching up; more where drafting costs more than a
-   plain step), whatever the pauses; one step moves its depth's averages by a bounded
-   amount, and no depth is priced above a deeper one. Costs are learnt at one speed of the
-   machine (``MachineSpeed``: every step's rest against a plain step's learnt cost and its
-   rows'), so a plain step measured in a slow request does not price the drafted steps of a
-   fast one; a plain step's price leaves out the estimates recomputed in its plan, and no price
-   comes from a long request's first two steps (its prefill's aftermath: ``COLD_STEPS``).
+   The averages follow the context as it grows. A pause of the machine is not a cost: what one
+   step or one probe may count of it is bounded (``PAUSE_BOUND``; ``verify.probes``), so probes
+   of a drafter that is off follow each other at most some 400 plain steps apart whatever the
+   pauses. Costs are learnt at one speed of the machine (``MachineSpeed``); a plain step's
+   price leaves out the estimates recomputed in its plan, and no price comes from a long
+   request's first two steps (its prefill's aftermath: ``COLD_STEPS``).
 
 A proposer that stopped paying is asked again now and then (a probe: two drafted steps in a
 row, as often as a credit of 1% of the plain steps' time covers what probes lose, so they
 follow each other quickly when they win; a new request may open with one:
 ``verify.probes``), and one that pays is now and then tried one depth deeper or in its
 other shape, so the controller follows the text. A draft after plain steps first feeds the
-proposer what they committed; that catching up is priced (a robust line in the positions)
-and must pay back over the request's rest; a probe's is charged after it, unless what the
-probe won repays it over that rest; after ``PROBE_CEILING`` plain steps in a row a probe
-comes whatever the credit holds. Its state lives across requests (costs are the machine's),
-the acceptance side forgetting old steps (some 20 drafted steps).
+proposer what they committed: that catching up is priced (a robust line in the positions)
+and must pay back over the request's rest (a probe's is charged after it, unless what it won
+repays it); after ``PROBE_CEILING`` plain steps in a row a probe comes whatever the credit
+holds. Its state lives across requests, the acceptance side forgetting old steps (~20).
 
 Exactness: the plan uses committed outcomes and timings only, and a trim only where any choice
 of nodes is exact: greedy output is token-identical to plain decoding, sampled keeps its law.
@@ -145,6 +139,7 @@ class Controller(StepLearning):
         self.seconds = 0.0  # the controller's own work
         self._estimates: list[tuple[list[float], list[float | None]]] | None = None  # per shape (shares, plan costs), now and then
         self._decisions: dict[int, tuple[int, int, int]] = {}  # room -> (plan depth, shape, best drafting depth), with the estimates
+        self._planned, self._drafting = self.PLAIN, {}  # the last plan; (shape, depth) -> its drafting's price, with the estimates
         self.observed = 0  # drafted steps observed
         self._pending: list[tuple] = []  # drafted steps observed and not learnt from yet (``_learn_pending``)
         self._estimated_plain = 0.0  # the plain step's cost the estimates were computed with
@@ -189,7 +184,7 @@ class Controller(StepLearning):
                 self._learn_pending()
             self._estimates = [shape.estimate(self.drafted_steps, self.plain_seconds, self.rows, self.draft_scale) for shape in self.shapes]
             self._estimated_plain = self.plain_seconds or 0.0
-            self._decisions, self._headroom = {}, float("inf")
+            self._decisions, self._headroom, self._drafting = {}, float("inf"), {}
             self._refreshed = time.perf_counter() - tick
         decision = self._decisions.get(deepest)
         if decision is None:
@@ -200,7 +195,7 @@ class Controller(StepLearning):
             catch_up = self._catch_up_cost(positions)
             if catch_up and not self._pays_back(shape, depth, catch_up, room):
                 depth = 0
-        plan = self._explore(depth, shape, drafting, deepest, positions, room)
+        plan = self._planned = self._explore(depth, shape, drafting, deepest, positions, room)
         if plan.depth:
             self.shapes[plan.shape].planned[plan.depth] += 1
         else:
@@ -338,12 +333,17 @@ class Controller(StepLearning):
             chance = chances[index if score is None else index + 1 + bisect_right(CONFIDENCE_EDGES, score)]
             push(chance * value[parent] if parent >= 0 else chance)
         order = range(n) if draft.is_chain() else sorted(range(n), key=value.__getitem__, reverse=True)  # best first, stable
-        best_k, best_rate, expected = 0, 1.0 / plain, 1.0
+        plan = self._planned  # its drafting is spent (as priced): a row pays where it buys more than the step's rate so far
+        drafted = self._drafting.get(key := (plan.shape, plan.depth))  # its price, kept until the estimates are recomputed
+        if drafted is None:
+            drafted = self._drafting[key] = plan.depth and self.shapes[plan.shape].draft_costs(self.draft_scale)[plan.depth]
+        spent = plain + drafted
+        best_k, best_rate, expected = 0, 1.0 / spent, 1.0
         for k, node in enumerate(order, start=1):  # a parent (no less likely, earlier) first; a chain's values never rise
             if value[node] < floor[k] * best_rate:
                 break  # its row, and every later one, buys less than the rate so far, and every later node is no likelier
             expected += value[node]
-            rate = expected / (plain + extra[k])
+            rate = expected / (spent + extra[k])
             if rate > best_rate:
                 best_k, best_rate = k, rate
         kept = None if best_k == n else sorted(order[:best_k])

@@ -310,10 +310,10 @@ class ShapeEstimates:
             prior, above = share * (0.3 if ratio < 0.3 else 0.95 if ratio > 0.95 else ratio), share
         return shares, self.plan_costs(plain, curve, scale, mean_rows)
 
-    def learn_depths(self, planned: int, depths: list[int] | None, accepted: int, decay: float, now: int, known: int | None = None) -> None:
+    def learn_depths(self, planned: int, depths: list[int] | None, accepted: int, decay: float, now: int) -> None:
         """Count one drafted step planned at ``planned``: its nodes' ``depths`` (None: a chain, one per depth), its ``accepted``
-        length; ``known``: the deepest depth whose outcome it tells (None: every planned one; deeper ones age as counted
-        ones do and gain nothing), its rows counted to ``planned``."""
+        length (what it verified and accepted: a depth a trim or a stop left out counts as not reached), its rows counted
+        to ``planned``."""
         if depths is None:
             rows_to = range(1, planned + 1)  # the nodes at depths 1..d
         else:
@@ -322,14 +322,12 @@ class ShapeEstimates:
                 counts[d if d <= planned else planned + 1] += 1
             rows_to = accumulate(counts[1 : planned + 1])
         reached, accepted_counts, row_counts, stamp = self.reached, self.accepted, self.rows, self.stamp
-        told_to = planned if known is None else known  # deeper depths' outcomes unknown: their counts age and gain nothing
         hit = min(accepted, planned) + 1  # the depths the accepted path reached, and one
         for d, rows in enumerate(rows_to, start=1):
             gap = now - stamp[d] - 1  # drafted steps since this depth's last count that did not draft it (this one does)
             kept = decay if gap <= 0 else decay * (_STALE_POWERS[gap] if gap < len(_STALE_POWERS) else STALE**gap)
-            told = d <= told_to
-            reached[d] = kept * reached[d] + told
-            accepted_counts[d] = kept * accepted_counts[d] + (told and d < hit)
+            reached[d] = kept * reached[d] + 1.0
+            accepted_counts[d] = kept * accepted_counts[d] + (d < hit)
             row_counts[d] = kept * row_counts[d] + rows
             stamp[d] = now
 

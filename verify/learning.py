@@ -87,13 +87,13 @@ class StepLearning:
                 shape.learn_verify_cost(plan.depth, rest - plain, plain)
                 if depths:
                     self.rows.update(len(depths), rest - plain)
-            reach, tested = len(accepted), (cut_children(*cut, accepted) if cut is not None else ())  # what the trim cut, tested
-            if calibrate and tested:
-                self.calibration.count(source, tested)
-            passed = any(hit for _, _, hit in tested)  # a cut node would have been accepted: one deeper, below it unknown
-            shape.learn_depths(plan.depth, depths, reach + passed, self.decay, now, reach + 1 if passed else None)
+            if calibrate and cut is not None:  # what the trim cut below the path's end, tested by the next token
+                self.calibration.count(source, cut_children(*cut, accepted))
+            # what the step verified and accepted, trim and stop included: the plan prices what a step planned there delivers
+            shape.learn_depths(plan.depth, depths, len(accepted), self.decay, now)
             if shape is not self.shapes[0]:  # a tree holds the chain of first children: what that chain would have accepted
-                length, reach = first_children_chain(parents, accepted)  # only the depths it held (a trim may cut it short)
-                self.shapes[0].learn_depths(min(length, plan.depth), None, reach, self.decay, now)
+                length, reach = first_children_chain(parents, accepted)  # to the depth it held (a trim may cut it short) ...
+                told = plan.depth if reach < length else min(length, plan.depth)  # ... and below, where the path left it: a miss
+                self.shapes[0].learn_depths(told, list(range(1, min(length, told) + 1)), reach, self.decay, now)
             if calibrate:
                 self.calibration.learn(parents, scores, depths, source, accepted, greedy)

@@ -118,10 +118,12 @@ class StopRule:
 
     A node's value is its calibrated chance to be accepted given its parent was (``chance`` of
     its depth and its own draft confidence, ``Draft.scores``'s value) times its parent's
-    value. A node worth less than ``least`` is cut before verification whatever else the
-    draft holds, and so is every descendant (a child is never worth more than its parent):
-    not expanding it saves the drafting of nodes the verifier would never see. Given only
-    for drafts any subset of which keeps the target's law (temperature 0, point masses).
+    value. A node worth less than ``least`` does not pay its row at a plain step's rate: the
+    trim cuts it whatever else the draft holds (unless the step's drafting, spent by then,
+    leaves the step slower than a plain one), and so every descendant (a child is never worth
+    more than its parent): not expanding it saves the drafting of nodes the verifier would
+    not see. Given only for drafts any subset of which keeps the target's law (temperature
+    0, point masses).
     """
 
     chance: Callable[[int, float | None], float]
