@@ -60,6 +60,12 @@ def baseline_module(revision: str, folder: Path) -> ModuleType:
     return module
 
 
+def demo_prompts(tokenizer, path: str | Path, count: int) -> list[torch.Tensor]:
+    """The first ``count`` prompts of a demo domain file (``build_domains``), tokenized, their last 128 tokens each."""
+    lines = Path(path).read_text().splitlines()[:count]
+    return [tokenizer(json.loads(line)["prompt"], return_tensors="pt").input_ids[:, -128:] for line in lines]
+
+
 def record(target, tokenizer, config: dict, prompts: list[torch.Tensor]) -> tuple[tuple[int, int], list[tuple[str, tuple]]]:
     """(the controller's constructor arguments, every call the decoder made to it) over ``prompts``."""
     calls: list[tuple[str, tuple]] = []
@@ -153,11 +159,7 @@ def main() -> None:
     target, tokenizer = load_target(DEMO_TARGET)
     with tempfile.TemporaryDirectory() as folder:
         written = build_domains(heldout_documents(DEMO_TARGET), Path(folder) / "domains", args.prompts, 4 * 128, 6 * 960)
-        prompts = [
-            tokenizer(json.loads(line)["prompt"], return_tensors="pt").input_ids[:, -128:]
-            for domain in args.domains.split(",")
-            for line in Path(written[domain]).read_text().splitlines()[: args.prompts]
-        ]
+        prompts = [prompt for domain in args.domains.split(",") for prompt in demo_prompts(tokenizer, written[domain], args.prompts)]
         old = baseline_module(args.baseline, Path(folder))
         configs = {**DEMO_PROPOSERS, **trained_drafts(DEMO_TARGET)}
         rows = []

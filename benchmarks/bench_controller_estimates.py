@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_controller_cost import baseline_module
+from benchmarks.bench_controller_cost import baseline_module, demo_prompts
 from draftsmith.proposers import load_proposer
 from draftsmith.training.demo.run import heldout_documents
 from draftsmith.verify import SpeculativeDecoder, load_target
@@ -101,8 +101,7 @@ def main() -> None:
         print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for method in args.methods.split(","):
             for domain in args.domains.split(","):
-                lines = Path(written[domain]).read_text().splitlines()[: args.prompts]
-                prompts = [tokenizer(json.loads(line)["prompt"], return_tensors="pt").input_ids[:, -128:] for line in lines]
+                prompts = demo_prompts(tokenizer, written[domain], args.prompts)
                 decoders = {}
                 for label, module in modules.items():
                     proposer = load_proposer(configs[method], target=target, tokenizer=tokenizer)

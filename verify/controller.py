@@ -139,7 +139,7 @@ class Controller(StepLearning):
         self.seconds = 0.0  # the controller's own work
         self._estimates: list[tuple[list[float], list[float | None]]] | None = None  # per shape (shares, plan costs), now and then
         self._decisions: dict[int, tuple[int, int, int]] = {}  # room -> (plan depth, shape, best drafting depth), with the estimates
-        self._planned, self._drafting = self.PLAIN, {}  # the last plan; (shape, depth) -> its drafting's price, with the estimates
+        self._planned, self._draft_prices = self.PLAIN, []  # the last plan; per shape, each depth's drafting price, with the estimates
         self.observed = 0  # drafted steps observed
         self._pending: list[tuple] = []  # drafted steps observed and not learnt from yet (``_learn_pending``)
         self._estimated_plain = 0.0  # the plain step's cost the estimates were computed with
@@ -183,8 +183,9 @@ class Controller(StepLearning):
             if self._pending:
                 self._learn_pending()
             self._estimates = [shape.estimate(self.drafted_steps, self.plain_seconds, self.rows, self.draft_scale) for shape in self.shapes]
+            self._draft_prices = [shape.draft_costs(self.draft_scale) for shape in self.shapes]
             self._estimated_plain = self.plain_seconds or 0.0
-            self._decisions, self._headroom, self._drafting = {}, float("inf"), {}
+            self._decisions, self._headroom = {}, float("inf")
             self._refreshed = time.perf_counter() - tick
         decision = self._decisions.get(deepest)
         if decision is None:
@@ -279,7 +280,7 @@ class Controller(StepLearning):
                 opens = not due and self.missed is None and self.probes.opens(catch_up, room, self.plain_seconds)  # new text
                 if due or opens:
                     self.plain_run, self.probe_pending = 0, True
-                    self.probes.begin(catch_up, room, opens, self.shapes[shape].draft_costs(self.draft_scale)[drafting])
+                    self.probes.begin(catch_up, room, opens, self._draft_prices[shape][drafting])
                     return self._plan(drafting, shape, probe=True)
             self._held = self._hold(drafting)
             return self.PLAIN
@@ -334,10 +335,7 @@ class Controller(StepLearning):
             push(chance * value[parent] if parent >= 0 else chance)
         order = range(n) if draft.is_chain() else sorted(range(n), key=value.__getitem__, reverse=True)  # best first, stable
         plan = self._planned  # its drafting is spent (as priced): a row pays where it buys more than the step's rate so far
-        drafted = self._drafting.get(key := (plan.shape, plan.depth))  # its price, kept until the estimates are recomputed
-        if drafted is None:
-            drafted = self._drafting[key] = plan.depth and self.shapes[plan.shape].draft_costs(self.draft_scale)[plan.depth]
-        spent = plain + drafted
+        spent = plain + (self._draft_prices[plan.shape][plan.depth] if plan.depth else 0.0)
         best_k, best_rate, expected = 0, 1.0 / spent, 1.0
         for k, node in enumerate(order, start=1):  # a parent (no less likely, earlier) first; a chain's values never rise
             if value[node] < floor[k] * best_rate:

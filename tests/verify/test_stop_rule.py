@@ -111,10 +111,10 @@ def test_the_trim_counts_the_step_s_drafting_as_spent_and_keeps_no_fewer_nodes_t
     half a plain step keeps at least the nodes it keeps with the drafting free, and more on some trees. Negative control:
     priced as free (the rule before: the drafting left out), it keeps fewer on those trees."""
     controller, rng = trained(), random.Random(1)
-    controller._planned = plan = controller._plan(6, 0)
+    controller._planned = controller._plan(6, 0)
     counts = {}
     for drafting in (0.0, 0.5 * controller.plain_seconds):
-        controller._drafting = {(plan.shape, plan.depth): drafting}
+        controller._draft_prices = [[drafting] * (controller.max_depth + 1) for _ in controller.shapes]
         rng.seed(1)
         counts[drafting] = [len(kept) if kept is not None else n for n in (rng.randint(1, 24) for _ in range(300))
                             for _, kept in [controller.trim(random_tree(rng, n), 100, True)]]  # fmt: skip
