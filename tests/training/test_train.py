@@ -35,7 +35,7 @@ from draftsmith.training.objective import OBJECTIVES, objective_class
 from draftsmith.training.recipe import RUNTIME_KEYS, load_config, make_objective
 from draftsmith.training.train import run
 
-from tiny_recipe import REPO, recipe_overrides
+from tiny_recipe import REPO, recipe_overrides, run_launcher
 
 
 def tiny_config(target_dir, text_file, root, *extra):
@@ -202,7 +202,7 @@ def test_two_processes_split_the_data_and_agree(target_dir, text_file, tmp_path)
         *recipe_overrides(target_dir, text_file, tmp_path / "two", *extra),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(launch + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = run_launcher(launch + args, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("draft written to") == 1  # one report, from rank 0
     one = run(tiny_config(target_dir, text_file, tmp_path / "one", *extra))

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,3 +36,47 @@ def recipe_overrides(target_dir: Path, text_file: Path, root: Path, *extra: str)
         "threads=1",
         *extra,
     ]
+
+
+def run_launcher(command: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``subprocess.run`` for a launcher and its workers, which leaves a trace where it hangs.
+
+    The launcher's own log is at INFO (where its agent waits) and every process runs with
+    ``faulthandler`` on; past ``timeout`` the launcher and every process under it (the
+    workers run in sessions of their own) get SIGABRT, so each prints its Python threads'
+    stacks, and the test fails with the end of stderr.
+    """
+    env = {**env, "PYTHONFAULTHANDLER": "1", "LOGLEVEL": "INFO"}
+    child = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        processes = [child.pid, *descendants(child.pid)]  # read before any dies (its children would move to init)
+        signal_all(processes, signal.SIGABRT)
+        try:
+            out, err = child.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            signal_all(processes, signal.SIGKILL)
+            out, err = child.communicate()
+        raise AssertionError(f"{command[:6]} still ran after {timeout} s; its processes' stacks:\n{err[-12000:]}") from None
+    return subprocess.CompletedProcess(command, child.returncode, out, err)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` (children, theirs, ...), read from /proc (none where it is absent)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        below = [child for child, parent in parents.items() if parent in frontier]
+        found += below
+        frontier = below
+    return found
+
+
+def signal_all(processes: list[int], sig: int) -> None:
+    for pid in processes:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
