@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import typing
+import warnings
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ from draftsmith.training.objective import OBJECTIVES, objective_class
 from draftsmith.training.recipe import RUNTIME_KEYS, load_config, make_objective
 from draftsmith.training.train import run
 
-from tiny_recipe import REPO, recipe_overrides, run_launcher
+from tiny_recipe import REPO, LauncherHung, recipe_overrides, run_launcher
 
 
 def tiny_config(target_dir, text_file, root, *extra):
@@ -193,25 +194,35 @@ def test_two_processes_split_the_data_and_agree(target_dir, text_file, tmp_path)
     """``torchrun --nproc_per_node 2`` on a CPU machine trains one model on both shards (gloo), not two models alone.
 
     Control: the same recipe in one process counts half the tokens and evaluates half the batches.
+    Once in CI the launcher did not exit in 300 s after rank 0 had written the draft (40 runs here
+    under load did not repeat it): a hang is retried once into a fresh directory, with every
+    process's stacks in a warning (``run_launcher``); a second hang fails.
     """
     extra = ("max_steps=6", f"data.eval_files=[{text_file}]", "eval_batches=2", "eval_every=3", "checkpoint_every=3")
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "draftsmith.training.train"]
-    args = [
-        "--config",
-        str(REPO / "recipes" / "training" / "distill_draft_full.yaml"),
-        *recipe_overrides(target_dir, text_file, tmp_path / "two", *extra),
-    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = run_launcher(launch + args, timeout=300, env=env)
+
+    def launch_into(root: Path):
+        recipe = str(REPO / "recipes" / "training" / "distill_draft_full.yaml")
+        args = ["--config", recipe, *recipe_overrides(target_dir, text_file, root, *extra)]
+        return run_launcher(launch + args, timeout=300, env=env)
+
+    two = tmp_path / "two"
+    try:
+        done = launch_into(two)
+    except LauncherHung as hung:
+        warnings.warn(f"the two-process run hung and was retried once: {hung}", stacklevel=1)
+        two = tmp_path / "two_again"
+        done = launch_into(two)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("draft written to") == 1  # one report, from rank 0
     one = run(tiny_config(target_dir, text_file, tmp_path / "one", *extra))
-    curves = {name: json.loads((tmp_path / name / "out" / "loss_curve.json").read_text()) for name in ("one", "two")}
+    curves = {name: json.loads((root / "out" / "loss_curve.json").read_text()) for name, root in (("one", tmp_path / "one"), ("two", two))}
     last = {name: curve[-1] for name, curve in curves.items()}
     assert last["two"]["tokens"] == 2 * last["one"]["tokens"] == 2 * 6 * 4 * 32
     assert last["two"]["heldout"]["tokens"] == 2 * last["one"]["heldout"]["tokens"] == 2 * 2 * 4 * 32
     assert last["two"]["heldout"]["forward_kl"] < curves["two"][0]["heldout"]["forward_kl"]
-    assert (one / "model.safetensors").is_file() and (tmp_path / "two" / "out" / "model.safetensors").is_file()
+    assert (one / "model.safetensors").is_file() and (two / "out" / "model.safetensors").is_file()
 
 
 def test_resume_after_interrupt_reproduces_the_uninterrupted_run(target_dir, text_file, tmp_path, monkeypatch):

@@ -38,13 +38,17 @@ def recipe_overrides(target_dir: Path, text_file: Path, root: Path, *extra: str)
     ]
 
 
+class LauncherHung(AssertionError):
+    """A launcher still ran past its timeout (the message holds its processes' stacks)."""
+
+
 def run_launcher(command: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
     """``subprocess.run`` for a launcher and its workers, which leaves a trace where it hangs.
 
     The launcher's own log is at INFO (where its agent waits) and every process runs with
     ``faulthandler`` on; past ``timeout`` the launcher and every process under it (the
     workers run in sessions of their own) get SIGABRT, so each prints its Python threads'
-    stacks, and the test fails with the end of stderr.
+    stacks, and ``LauncherHung`` carries the end of stderr.
     """
     env = {**env, "PYTHONFAULTHANDLER": "1", "LOGLEVEL": "INFO"}
     child = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -58,7 +62,7 @@ def run_launcher(command: list[str], timeout: float, env: dict[str, str]) -> sub
         except subprocess.TimeoutExpired:
             signal_all(processes, signal.SIGKILL)
             out, err = child.communicate()
-        raise AssertionError(f"{command[:6]} still ran after {timeout} s; its processes' stacks:\n{err[-12000:]}") from None
+        raise LauncherHung(f"{command[:6]} still ran after {timeout} s; its processes' stacks:\n{err[-12000:]}") from None
     return subprocess.CompletedProcess(command, child.returncode, out, err)
 
 
