@@ -182,8 +182,9 @@ class Controller(StepLearning):
         if self._estimates is None:
             if self._pending:
                 self._learn_pending()
-            self._estimates = [shape.estimate(self.drafted_steps, self.plain_seconds, self.rows, self.draft_scale) for shape in self.shapes]
-            self._draft_prices = [shape.draft_costs(self.draft_scale) for shape in self.shapes]
+            prices = self._draft_prices = [shape.draft_costs(self.draft_scale) for shape in self.shapes]  # read by the trim too
+            now, plain = self.drafted_steps, self.plain_seconds
+            self._estimates = [shape.estimate(now, plain, self.rows, prices[i]) for i, shape in enumerate(self.shapes)]
             self._estimated_plain = self.plain_seconds or 0.0
             self._decisions, self._headroom = {}, float("inf")
             self._refreshed = time.perf_counter() - tick

@@ -249,23 +249,23 @@ class ShapeEstimates:
         base, near = self.draft_base, self._nearest()[0]
         return [_drafting(base, k, depth, scale) for depth, k in enumerate(near)]
 
-    def plan_costs(self, plain: float | None, curve: RowsCurve, scale: float, mean_rows: list[float]) -> list[float | None]:
+    def plan_costs(self, plain: float | None, curve: RowsCurve, drafting: list[float], mean_rows: list[float]) -> list[float | None]:
         """Seconds of a step planned at each depth (index 0: ``plain``); None where nothing says yet.
 
         A depth not measured yet costs the nearest measured one's, plus what its extra rows
-        add on the rows ``curve``, plus its drafting scaled by depth (``draft_costs``). No depth costs
+        add on the rows ``curve``, plus its ``drafting`` (``draft_costs``: scaled by depth). No depth costs
         more than a deeper one: each depth's average is its own few steps (a depth planned
         seldom keeps a dear average long), and a shallower draft is a prefix of a deeper one.
         """
-        verify, base = self.verify_seconds, self.draft_base
-        near_draft, near = self._nearest()
+        verify = self.verify_seconds
+        near = self._nearest()[1]
         if plain is None or near[0] < 0:
             return [plain] + [None] * (len(verify) - 1)
         costs: list[float | None] = [plain]
         extra: list[float] | None = None  # the rows curve's table, read when a depth's cost is carried from another's
-        for depth in range(1, len(verify)):  # one loop (no lists of drafting costs or rows): this runs at every refresh
+        for depth in range(1, len(verify)):  # one loop (no list of rows): this runs at every refresh
             k = near[depth]
-            step = plain + _drafting(base, near_draft[depth], depth, scale) + verify[k]
+            step = plain + drafting[depth] + verify[k]
             if k != depth:  # what its mean rows add on the curve beyond the measured depth's
                 if extra is None:
                     extra = curve.table(int(max(mean_rows)) + 1)[0]
@@ -288,8 +288,9 @@ class ShapeEstimates:
             )
         return self._near
 
-    def estimate(self, now: int, plain: float | None, curve: RowsCurve, scale: float) -> tuple[list[float], list[float | None]]:
-        """Per depth (index 0: a plain step): the share of steps whose accepted path reaches it, and a step's seconds.
+    def estimate(self, now: int, plain: float | None, curve: RowsCurve, drafting: list[float]) -> tuple[list[float], list[float | None]]:
+        """Per depth (index 0: a plain step): the share of steps whose accepted path reaches it, and a step's seconds
+        (``drafting``: each depth's drafting price, ``draft_costs``).
 
         Each depth's share has one pseudo-step of a prior extrapolated from the depth above
         (its share times its conditional acceptance, kept in [0.3, 0.95]); counts of a depth
@@ -308,7 +309,7 @@ class ShapeEstimates:
             mean_rows.append(prior_rows)
             ratio = share / above
             prior, above = share * (0.3 if ratio < 0.3 else 0.95 if ratio > 0.95 else ratio), share
-        return shares, self.plan_costs(plain, curve, scale, mean_rows)
+        return shares, self.plan_costs(plain, curve, drafting, mean_rows)
 
     def learn_depths(self, planned: int, depths: list[int] | None, accepted: int, decay: float, now: int) -> None:
         """Count one drafted step planned at ``planned``: its nodes' ``depths`` (None: a chain, one per depth), its ``accepted``
@@ -370,11 +371,12 @@ class ShapeEstimates:
 
     def snapshot(self, plain: float | None, curve: RowsCurve, scale: float, speed: float = 1.0) -> dict:
         """This shape's estimates in ms (learnt costs times the machine's ``speed`` now), and its acceptance per depth."""
-        costs = self.plan_costs(plain, curve, scale, [0.0] * len(self.reached))
+        drafting = self.draft_costs(scale)
+        costs = self.plan_costs(plain, curve, drafting, [0.0] * len(self.reached))
         return {
             "width": self.width,
             "step_ms_by_depth": [None if s is None else round(1000 * speed * s, 3) for s in costs[1:]],
-            "draft_ms_by_depth": [round(1000 * speed * s, 3) for s in self.draft_costs(scale)[1:]],
+            "draft_ms_by_depth": [round(1000 * speed * s, 3) for s in drafting[1:]],
             "accept_share_by_depth": [round(a / r, 3) if r else None for a, r in zip(self.accepted[1:], self.reached[1:], strict=True)],
             "planned_by_depth": self.planned[1:],
         }

@@ -53,7 +53,7 @@ def test_a_pause_inside_a_step_moves_its_depths_cost_by_a_bounded_amount_and_a_s
     assert unbounded > 1.8 * before
     for _ in range(3):  # depth 2's few steps were dear: 3 plain steps over the rest
         shape.learn_verify_cost(2, 3.0 * plain, plain)
-    costs = shape.plan_costs(plain, RowsCurve(), 1.0, [0.0] * 7)
+    costs = shape.plan_costs(plain, RowsCurve(), shape.draft_costs(1.0), [0.0] * 7)
     assert costs[2] == pytest.approx(costs[3]) and costs[3] < plain + 0.2 + shape.verify_seconds[2]
     assert all(costs[d] <= costs[d + 1] for d in range(1, 6)), costs
 
