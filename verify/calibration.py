@@ -12,6 +12,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import TYPE_CHECKING
 
+from draftsmith.proposers.core.types import StopRule
+
 if TYPE_CHECKING:
     from draftsmith.proposers.core.types import Draft
 
@@ -44,6 +46,15 @@ class Calibration:
             table = list(PRIORS) if bins is None else [(a + 2.0 * p) / (a + b + 2.0) for (a, b), p in zip(bins, PRIORS, strict=True)]
             self._chances[source] = table
         return table
+
+    def stop_rule(self, least: float, level: float) -> StopRule:
+        """A ``StopRule`` over the chances of the proposer's own drafts (source ""), read as the trim reads them (they live)."""
+        chances = self.chances("")
+
+        def chance(depth: int, score: float | None) -> float:
+            return chances[bin_of(depth, score)]
+
+        return StopRule(chance, least, level)
 
     def count(self, source: str, tested: list[tuple[int, float | None, bool]]) -> None:
         """Count nodes tested outside a verification: (depth, own confidence, accepted) each (``cut_children``)."""

@@ -25,7 +25,7 @@ itself while it decodes and decides per step:
    however they were chosen). A sampled tree is never cut by its own drawn values. The step's
    next token tests what a trim cut below the accepted path's end (``cut_children``): the
    calibration counts it. While drafting, a proposer of such drafts may leave unexpanded a
-   node the trim would cut whatever else the draft holds (``stop_rule``).
+   node the trim would cut, and a depth that cannot pay its drafting (``stop_rule``).
 2. observe: the step's seconds update the running costs of its planned depth (or of a
    plain step) and what its rows added beyond a plain step (``RowsCurve``: an average per
    size of draft, joined into a non-decreasing curve); the outcome updates u_d, the rows
@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from draftsmith.proposers.core.tree import keep_nodes
 from draftsmith.proposers.core.types import Draft, StopRule, VerifyResult
 
-from .calibration import CONFIDENCE_EDGES, DEPTH_BUCKETS, SLOTS, Calibration, bin_of
+from .calibration import CONFIDENCE_EDGES, DEPTH_BUCKETS, SLOTS, Calibration
 from .estimates import MachineSpeed, RobustLine, RowsCurve, ShapeEstimates
 from .learning import COLD_ROOM, COLD_STEPS, PAUSE_BOUND, StepLearning
 from .probes import ProbeLedger
@@ -143,7 +143,7 @@ class Controller(StepLearning):
         self.observed = 0  # drafted steps observed
         self._pending: list[tuple] = []  # drafted steps observed and not learnt from yet (``_learn_pending``)
         self._estimated_plain = 0.0  # the plain step's cost the estimates were computed with
-        self._stop: StopRule | None = None  # ``stop_rule``'s, until a plain step's cost or the rows curve moves
+        self._stop: dict[int, StopRule] | None = None  # ``stop_rule``'s per shape, until a plain step's cost or the rows curve moves
         self._cut: tuple[Draft, Draft, list[int]] | None = None  # the last trim's (trimmed, whole draft, kept nodes) where it cut
         self._plans: dict[tuple[int, int, bool, bool], Plan] = {}  # (depth, shape, probe, whole) -> its plan (``_plan``)
         self._headroom = float("inf")  # how far (log) that cost may move before a plain decision of theirs could turn (``_decide``)
@@ -353,24 +353,23 @@ class Controller(StepLearning):
         return trimmed, kept
 
     def stop_rule(self) -> StopRule | None:
-        """What a drafter needs to stop a path the trim would cut (``StopRule``; None until the trim trims).
-
-        A node worth less than the least any node adds (the rows curve's least margin) at a plain
-        step's rate is below every ``floor[k] * best_rate`` the trim compares it with; a hair of
-        slack keeps rounding on the trim's side. For drafts of the proposer's own source ("").
+        """What a drafter needs to stop a path the trim would cut, or a depth whose drafting cannot pay (``StopRule``; None
+        until the trim trims). A node worth less than the least any node adds (the rows curve's least margin) at a plain
+        step's rate is below every ``floor[k] * best_rate`` the trim compares it with (a hair of slack keeps rounding on
+        the trim's side); a depth's forward costs that margin and a level of the planned shape's drafting
+        (``ShapeEstimates.level_cost``). For drafts of the proposer's own source ("").
         """
-        plain = self.plain_seconds
-        if self._stop is not None or plain is None or not self.rows.ready:
-            return self._stop  # kept until a plain step's cost or the rows curve moves (the chances it reads live)
+        plain, shape = self.plain_seconds, self._planned.shape
+        if plain is None or not self.rows.ready:
+            return None
+        self._stop = self._stop or {}  # per shape, until a plain step's cost or the rows curve moves (the chances it reads live)
+        if shape in self._stop:
+            return self._stop[shape]
         tick = time.perf_counter()  # the controller's own work (its values, computed while drafting, are the drafter's)
-        chances = self.calibration.chances("")
-
-        def chance(depth: int, score: float | None) -> float:  # as the trim reads it
-            return chances[bin_of(depth, score)]
-
-        self._stop = StopRule(chance, (1.0 - 1e-9) * self.rows.least_margin() / plain)
+        least, level, slack = self.rows.least_margin(), self.shapes[shape].level_cost(self.draft_scale), (1.0 - 1e-9) / plain
+        rule = self._stop[shape] = self.calibration.stop_rule(slack * least, slack * (least + level))
         self.seconds += time.perf_counter() - tick
-        return self._stop
+        return rule
 
     # -- 2. observe ----------------------------------------------------------------------
 

@@ -249,6 +249,16 @@ class ShapeEstimates:
         base, near = self.draft_base, self._nearest()[0]
         return [_drafting(base, k, depth, scale) for depth, k in enumerate(near)]
 
+    def level_cost(self, scale: float) -> float:
+        """Seconds one more depth of drafting adds: the growth per depth between the shallowest and the deepest measured
+        depths (0 until two are: an extrapolated price assumes a growth that a drafter of a whole block does not have)."""
+        base = self.draft_base
+        measured = [depth for depth in range(1, len(base)) if base[depth] is not None]
+        if len(measured) < 2:
+            return 0.0
+        low, high = measured[0], measured[-1]
+        return max(base[high] - base[low], 0.0) * scale / (high - low)
+
     def plan_costs(self, plain: float | None, curve: RowsCurve, drafting: list[float], mean_rows: list[float]) -> list[float | None]:
         """Seconds of a step planned at each depth (index 0: ``plain``); None where nothing says yet.
 

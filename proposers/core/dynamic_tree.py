@@ -131,8 +131,10 @@ def grow_dynamic_tree(
             would bias the verifier) and only stops expanding. None: no limit.
         stop: the speculation controller's ``StopRule`` (``ProposeContext.stop``): a leaf worth
             less than ``stop.least`` is not expanded (it stays in the tree: the controller's
-            trim cuts it, and would cut all it could grow). Deterministic trees only; a sampled
-            tree ignores it, as the trim leaves a sampled tree whole.
+            trim cuts it, and would cut all it could grow), and no depth is drafted whose
+            expandable leaves together are worth less than ``stop.level`` (its forward costs
+            more than it could add). Deterministic trees only; a sampled tree ignores it, as
+            the trim leaves a sampled tree whole.
     """
     assert root_logits.dim() == 1 and depth >= 1 and width >= 1, f"root_logits {tuple(root_logits.shape)}, depth {depth}, width {width}"
     assert max_nodes is None or max_nodes >= 1, f"max_nodes must be >= 1 or None, got {max_nodes}"
@@ -176,6 +178,8 @@ def grow_dynamic_tree(
         if stop is not None:
             stop.values(tree.parents, tree.depths, tree.confidences, values)
             leaves = [n for n in leaves if values[n] >= stop.least]
+            if leaves and sum(values[n] for n in leaves) < stop.level:
+                break  # the depth's forward would cost more than all it could add
         if not leaves or (draw_budget is not None and len(tree) >= draw_budget):
             break
         if not sampled and max_nodes is not None and _budget_is_settled(tree, leaves, max_nodes):

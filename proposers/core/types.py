@@ -122,12 +122,16 @@ class StopRule:
     trim cuts it whatever else the draft holds (unless the step's drafting, spent by then,
     leaves the step slower than a plain one), and so every descendant (a child is never worth
     more than its parent): not expanding it saves the drafting of nodes the verifier would
-    not see. Given only for drafts any subset of which keeps the target's law (temperature
-    0, point masses).
+    not see. ``level``: the least the leaves a drafter would expand at one depth are worth
+    together for that depth's forward to pay (its row and its drafting, at a plain step's
+    rate): a node's children are worth no more than it together (at most one of them is
+    accepted), and so are the deeper levels, each costing as much again. Given only for
+    drafts any subset of which keeps the target's law (temperature 0, point masses).
     """
 
     chance: Callable[[int, float | None], float]
     least: float
+    level: float = 0.0
 
     def values(self, parents: list[int], depths: list[int], confidences: list, into: list[float]) -> None:
         """Append the values of the nodes after ``len(into)`` (parents first) to ``into``."""

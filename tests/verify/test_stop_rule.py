@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from law import linear_costs, simulate
 
@@ -121,3 +122,22 @@ def test_the_trim_counts_the_step_s_drafting_as_spent_and_keeps_no_fewer_nodes_t
     free, spent = counts.values()
     assert all(b >= a for a, b in zip(free, spent, strict=True))
     assert sum(b > a for a, b in zip(free, spent, strict=True)) >= 50  # 127 of 300 here
+
+
+def test_the_stop_rule_s_level_adds_a_depth_s_drafting_to_the_least_a_row_adds():
+    """A depth's forward costs its row and a level of the planned shape's drafting (its measured price's growth per depth):
+    with drafting measured at 0.4 plain steps a level, ``level`` is ``least`` + 0.4 (a plain step's rate), whatever the
+    first depth's catching up costs; free drafting, or a single depth measured, leaves ``level`` at ``least``. Negative
+    control: the two differ."""
+    controller = trained()
+    controller._planned = controller._plan(6, 0)
+    shape, plain, levels = controller.shapes[0], controller.plain_seconds, {}
+    for per_level, measured in ((0.0, (1, 2, 5)), (0.4, (1, 2, 5)), (0.4, (3,))):
+        shape.draft_base = [None] * 7
+        for depth in measured:
+            shape.draft_base[depth] = (0.7 + per_level * depth) * plain / controller.draft_scale
+        controller._stop = None  # as after a refresh
+        rule = controller.stop_rule()
+        levels[per_level, measured] = rule.level
+        assert rule.level == pytest.approx(rule.least + (per_level if len(measured) > 1 else 0.0), rel=1e-6)
+    assert levels[0.4, (1, 2, 5)] > levels[0.0, (1, 2, 5)] + 0.39

@@ -234,6 +234,27 @@ def test_a_stop_rule_leaves_the_nodes_worth_less_than_its_least_unexpanded(least
     assert torch.equal(sampled[0].token_ids, sampled[1].token_ids) and torch.equal(sampled[0].parents, sampled[1].parents)
 
 
+@pytest.mark.parametrize("level", [0.1, 0.3])
+def test_a_stop_rule_drafts_no_depth_whose_leaves_are_worth_less_than_its_level_together(level):
+    """A greedy chain under a ``StopRule`` whose ``level`` is above a node's value stops there: the full chain's prefix to
+    that node, one draft forward a depth before it. A tree runs a depth's forward only for leaves worth ``level`` together,
+    and stops once they are not. Negative control: ``level`` 0 drafts the whole chain."""
+    rule = StopRule(lambda depth, confidence: confidence, 0.0, level)
+    full, _ = grow(depth=6, width=1)
+    values: list[float] = []
+    rule.values(full.draft.parent_list, full.draft.depth_list, full.draft.scores, values)
+    stop_at = next((depth for depth, value in enumerate(values, start=1) if value < level), None)
+    assert stop_at is not None and 1 < stop_at < 6, (values, "the rule must stop inside the chain, or the check is empty")
+    stopped, score = grow(depth=6, width=1, stop=rule)
+    assert stopped.draft.token_list == full.draft.token_list[:stop_at] and len(score.calls) == stop_at - 1
+    assert grow(depth=6, width=1, stop=StopRule(rule.chance, 0.0, 0.0))[0].draft.token_list == full.draft.token_list
+    tree, tree_score = grow(depth=6, width=3, stop=rule)
+    values = []
+    rule.values(tree.draft.parent_list, tree.draft.depth_list, tree.draft.scores, values)
+    assert all(sum(values[n] for n in leaves) >= level for leaves in tree_score.calls)
+    assert len(tree_score.calls) < len(grow(depth=6, width=3)[1].calls)
+
+
 @pytest.mark.parametrize("max_nodes", [None, 30])
 @pytest.mark.parametrize("min_path_prob", [0.03, 0.08, 0.2])
 def test_min_path_prob_is_the_full_tree_without_its_unlikely_nodes(min_path_prob, max_nodes):
